@@ -1,0 +1,1 @@
+"""The hetccl collective group: plans over island communicators and a border."""

@@ -1,0 +1,268 @@
+"""Hierarchical collective plans over an island communicator and a border.
+
+Every plan has the same three stages (after HetCCL and FlagCX's cluster-to-cluster
+planner): the vendor op inside each island, an exchange between the lane owners of the
+islands over the border, the vendor op inside each island again. Bytes cross island
+boundaries the minimum number of times:
+
+================  ==============================================
+op                bytes sent over the border, all ranks together
+================  ==============================================
+allreduce         2 (k - 1) S
+reducescatter     (k - 1) S        (S: the whole input, all chunks)
+allgather         (k - 1) S        (S: the whole output)
+broadcast/reduce  (k - 1) S
+================  ==============================================
+
+A group of one island calls the vendor op directly. Plans import no Ray.
+Buffers are flat contiguous tensors; per-rank chunks (allgather, reducescatter) are laid
+out island by island (``Topology.island_major_order``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from hetccl_ray.collective.island import IslandComm
+from hetccl_ray.errors import HetCCLTimeoutError
+from hetccl_ray.topology import Topology, split
+from hetccl_ray.transport.base import Border, Tag
+
+Span = tuple[int, int]
+
+
+def combine(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
+    """dst = dst (op) src, elementwise, in place, on the tensors' own device."""
+    if op == "sum":
+        dst.add_(src)
+    elif op == "product":
+        dst.mul_(src)
+    elif op == "min":
+        torch.minimum(dst, src, out=dst)
+    elif op == "max":
+        torch.maximum(dst, src, out=dst)
+    else:
+        raise ValueError(f"unsupported reduce op {op!r}; supported: sum, product, min, max")
+
+
+class ScratchPool:
+    """Receive buffers kept between calls: fresh memory is slow to touch, so reuse it."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, slot: int, n: int, like: torch.Tensor) -> torch.Tensor:
+        key = (slot, like.dtype, like.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=like.dtype, device=like.device)
+            self._buffers[key] = buf
+        return buf[:n]
+
+
+@dataclass
+class PlanContext:
+    """What one op's plan runs with: who this rank is, its island, the border, the deadline."""
+
+    topo: Topology
+    rank: int
+    island: IslandComm
+    border: Border
+    tag: Tag
+    deadline: float
+    scratch: ScratchPool = field(default_factory=ScratchPool)
+
+    @property
+    def my_island(self):
+        return self.topo.island_of(self.rank)
+
+    @property
+    def lane(self):
+        return self.topo.lane_of(self.rank)
+
+    def lane_counts(self, n: int) -> list[int]:
+        """Island-local ranges of ``n`` elements: lane owner l gets lane segment l, others none."""
+        counts = [length for _, length in split(n, self.topo.lanes)]
+        return counts + [0] * (self.my_island.size - self.topo.lanes)
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Post all receives and sends at once, then wait for all before the deadline."""
+        handles = [self.border.irecv(peer, buf, self.tag) for peer, buf in recvs if buf.numel()]
+        handles += [self.border.isend(peer, buf, self.tag) for peer, buf in sends if buf.numel()]
+        for handle in handles:
+            left = self.deadline - time.monotonic()
+            try:
+                handle.wait(max(left, 0.0))
+            except HetCCLTimeoutError as exc:
+                exc.waiting_for = handle.peer
+                raise
+
+
+def _view(buf: torch.Tensor, span: Span) -> torch.Tensor:
+    offset, length = span
+    return buf[offset:offset + length]
+
+
+def _lane_part(span: Span, lanes: int, lane: int) -> Span:
+    """Lane ``lane``'s part of the region ``span``."""
+    offset, length = span
+    part_offset, part_length = split(length, lanes)[lane]
+    return offset + part_offset, part_length
+
+
+def region_spans(topo: Topology, chunk: int) -> list[Span]:
+    """Where each island's per-rank chunks lie in an island-major buffer."""
+    spans, offset = [], 0
+    for island in topo.islands:
+        spans.append((offset, island.size * chunk))
+        offset += island.size * chunk
+    return spans
+
+
+def _cross_allreduce(ctx: PlanContext, seg: torch.Tensor, op: str, peers: list[int]) -> None:
+    """Allreduce ``seg`` among one lane's owners: direct reduce-scatter, then allgather."""
+    me = peers.index(ctx.rank)
+    subs = split(seg.numel(), len(peers))
+    mine = _view(seg, subs[me])
+    others = [i for i in range(len(peers)) if i != me]
+    partials = [ctx.scratch.get(i, mine.numel(), seg) for i in others]
+    ctx.exchange(sends=[(peers[i], _view(seg, subs[i])) for i in others],
+                 recvs=[(peers[i], partial) for i, partial in zip(others, partials)])
+    for partial in partials:
+        combine(mine, partial, op)
+    ctx.exchange(sends=[(peers[i], mine) for i in others],
+                 recvs=[(peers[i], _view(seg, subs[i])) for i in others])
+
+
+def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
+    """Reduce-scatter to lane owners, allreduce across islands per lane, allgather back."""
+    if len(ctx.topo.islands) == 1:
+        ctx.island.allreduce(buf, op)
+        return
+    counts = ctx.lane_counts(buf.numel())
+    ctx.island.reduce_scatter(buf, counts, op)
+    if ctx.lane is not None:
+        segment = _view(buf, split(buf.numel(), ctx.topo.lanes)[ctx.lane])
+        _cross_allreduce(ctx, segment, op, ctx.topo.lane_peers(ctx.lane))
+    ctx.island.allgather(buf, counts)
+
+
+def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
+    """Reduce the island-major ``buf`` of one chunk per rank; returns this rank's reduced chunk."""
+    topo, isl = ctx.topo, ctx.my_island
+    chunk = buf.numel() // topo.world_size
+    local = topo.local_rank(ctx.rank)
+    if len(topo.islands) == 1:
+        ctx.island.reduce_scatter(buf, [chunk] * isl.size, op)
+        return _view(buf, (local * chunk, chunk))
+    regions = region_spans(topo, chunk)
+    for span in regions:
+        ctx.island.reduce_scatter(_view(buf, span), ctx.lane_counts(span[1]), op)
+    if ctx.lane is not None:
+        peers = topo.lane_peers(ctx.lane)
+        part = lambda j: _view(buf, _lane_part(regions[j], topo.lanes, ctx.lane))  # noqa: E731
+        mine = part(isl.index)
+        others = [j for j in range(len(peers)) if j != isl.index]
+        partials = [ctx.scratch.get(j, mine.numel(), buf) for j in others]
+        ctx.exchange(sends=[(peers[j], part(j)) for j in others],
+                     recvs=[(peers[j], partial) for j, partial in zip(others, partials)])
+        for partial in partials:
+            combine(mine, partial, op)
+    region = _view(buf, regions[isl.index])
+    counts = ctx.lane_counts(region.numel())
+    if counts != [chunk] * isl.size:
+        ctx.island.allgather(region, counts)
+    return _view(region, (local * chunk, chunk))
+
+
+def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
+    """Gather the island-major ``buf`` whose own chunk is filled in, on every rank."""
+    topo, isl = ctx.topo, ctx.my_island
+    chunk = buf.numel() // topo.world_size
+    if len(topo.islands) == 1:
+        ctx.island.allgather(buf, [chunk] * isl.size)
+        return
+    regions = region_spans(topo, chunk)
+    ctx.island.allgather(_view(buf, regions[isl.index]), [chunk] * isl.size)
+    others = [j for j in range(len(topo.islands)) if j != isl.index]
+    if ctx.lane is not None:
+        peers = topo.lane_peers(ctx.lane)
+        part = lambda j: _view(buf, _lane_part(regions[j], topo.lanes, ctx.lane))  # noqa: E731
+        ctx.exchange(sends=[(peers[j], part(isl.index)) for j in others],
+                     recvs=[(peers[j], part(j)) for j in others])
+    for j in others:
+        region = _view(buf, regions[j])
+        ctx.island.allgather(region, ctx.lane_counts(region.numel()))
+
+
+def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
+    """Root's island broadcasts inside, its lane owners send each lane's part across."""
+    topo, isl = ctx.topo, ctx.my_island
+    root_island = topo.island_of(root).index
+    part = None
+    if ctx.lane is not None:
+        part = _view(buf, _lane_part((0, buf.numel()), topo.lanes, ctx.lane))
+    if isl.index == root_island:
+        ctx.island.broadcast(buf, topo.local_rank(root))
+        if part is not None:
+            peers = topo.lane_peers(ctx.lane)
+            ctx.exchange(sends=[(peers[j], part) for j in range(len(peers)) if j != isl.index], recvs=[])
+        return
+    if part is not None:
+        ctx.exchange(sends=[], recvs=[(topo.lane_peers(ctx.lane)[root_island], part)])
+    ctx.island.allgather(buf, ctx.lane_counts(buf.numel()))
+
+
+def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
+    """Reduce-scatter in each island, lane owners send partials to the root's island, gather at root."""
+    topo, isl = ctx.topo, ctx.my_island
+    root_island = topo.island_of(root)
+    if len(topo.islands) == 1:
+        ctx.island.reduce(buf, topo.local_rank(root), op)
+        return
+    counts = ctx.lane_counts(buf.numel())
+    ctx.island.reduce_scatter(buf, counts, op)
+    if ctx.lane is not None:
+        peers = topo.lane_peers(ctx.lane)
+        part = _view(buf, _lane_part((0, buf.numel()), topo.lanes, ctx.lane))
+        if isl.index == root_island.index:
+            others = [j for j in range(len(peers)) if j != isl.index]
+            partials = [ctx.scratch.get(j, part.numel(), buf) for j in others]
+            ctx.exchange(sends=[], recvs=[(peers[j], partial) for j, partial in zip(others, partials)])
+            for partial in partials:
+                combine(part, partial, op)
+        else:
+            ctx.exchange(sends=[(peers[root_island.index], part)], recvs=[])
+    if isl.index == root_island.index:
+        ctx.island.gather(buf, counts, topo.local_rank(root))
+
+
+def barrier(ctx: PlanContext) -> None:
+    """Island barrier, a token between the lane-0 owners of all islands, island barrier."""
+    ctx.island.barrier()
+    if len(ctx.topo.islands) > 1 and ctx.lane == 0:
+        peers = [p for p in ctx.topo.lane_peers(0) if p != ctx.rank]
+        token = torch.zeros(1, dtype=torch.uint8)
+        received = [torch.empty(1, dtype=torch.uint8) for _ in peers]
+        ctx.exchange(sends=[(p, token) for p in peers], recvs=list(zip(peers, received)))
+    ctx.island.barrier()
+
+
+def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
+    """Vendor P2P inside an island, the border between islands."""
+    if ctx.topo.island_of(peer) == ctx.my_island:
+        ctx.island.send(buf, ctx.topo.local_rank(peer))
+    else:
+        ctx.exchange(sends=[(peer, buf)], recvs=[])
+
+
+def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
+    """Counterpart of :func:`send`."""
+    if ctx.topo.island_of(peer) == ctx.my_island:
+        ctx.island.recv(buf, ctx.topo.local_rank(peer))
+    else:
+        ctx.exchange(sends=[], recvs=[(peer, buf)])

@@ -1,0 +1,23 @@
+"""Errors raised by hetccl_ray. Each names the op, the group and the ranks concerned."""
+
+from __future__ import annotations
+
+
+class HetCCLError(RuntimeError):
+    """Base class of every hetccl_ray error."""
+
+
+class HetCCLTimeoutError(HetCCLError, TimeoutError):
+    """A wait passed its deadline: a peer did not arrive or did not send."""
+
+
+class HetCCLPeerError(HetCCLError):
+    """A peer closed its connection or failed during an op."""
+
+
+class HetCCLMismatchError(HetCCLError):
+    """Ranks called different ops, dtypes, sizes or roots in the same step."""
+
+
+class HetCCLBrokenError(HetCCLError):
+    """The group failed earlier; destroy and re-create it."""

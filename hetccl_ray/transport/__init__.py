@@ -1,0 +1,1 @@
+"""Border transports: how data crosses between islands."""

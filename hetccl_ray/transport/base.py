@@ -1,0 +1,73 @@
+"""The Border interface plans use to move data between ranks of different islands."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from hetccl_ray.errors import HetCCLTimeoutError
+
+# magic, op code, sequence number, dtype code, payload bytes
+_HEADER = struct.Struct("!4sIQIQ")
+HEADER_SIZE = _HEADER.size
+_MAGIC = b"HCCL"
+
+
+@dataclass(frozen=True)
+class Tag:
+    """What a border message belongs to: checked on receipt so mismatched calls fail loudly."""
+
+    op: int
+    seq: int
+    dtype: int
+
+    def header(self, nbytes: int) -> bytes:
+        return _HEADER.pack(_MAGIC, self.op, self.seq, self.dtype, nbytes)
+
+    @staticmethod
+    def parse(raw: bytes) -> tuple["Tag", int]:
+        magic, op, seq, dtype, nbytes = _HEADER.unpack(raw)
+        if magic != _MAGIC:
+            raise ValueError(f"bad border message magic {magic!r}")
+        return Tag(op, seq, dtype), nbytes
+
+
+class Handle:
+    """Completion of one posted send or receive; ``wait`` raises what the transfer raised."""
+
+    def __init__(self, peer: int, kind: str) -> None:
+        self.peer = peer
+        self.kind = kind
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._done.wait(timeout_s):
+            raise HetCCLTimeoutError(f"{self.kind} with rank {self.peer} did not complete within {timeout_s:.1f}s")
+        if self._error is not None:
+            raise self._error
+
+
+class Border(Protocol):
+    """Point-to-point transfers between group ranks, duplex and asynchronous."""
+
+    rank: int
+    bytes_sent: int
+    bytes_received: int
+
+    def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
+        """Post a send of the contiguous tensor ``buf`` to ``peer``."""
+
+    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
+        """Post a receive from ``peer`` straight into the contiguous tensor ``buf``."""
+
+    def close(self) -> None:
+        """Close every connection and stop every thread."""

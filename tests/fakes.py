@@ -1,0 +1,167 @@
+"""In-process FAKES of an island communicator and a border, for testing plans alone.
+
+Named as fakes: they stand in for Gloo/NCCL and TCP only in plan unit tests, where ranks
+are threads of one process. Group tests use the real parts on a real Ray cluster.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from hetccl_ray.collective.island import ranges
+from hetccl_ray.collective.plans import PlanContext, combine
+from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
+from hetccl_ray.topology import Topology
+from hetccl_ray.transport.base import Handle, Tag
+
+
+def _poison(buf: torch.Tensor) -> None:
+    """Overwrite what a real library leaves undefined, so a plan relying on it fails."""
+    buf.fill_(float("nan") if buf.is_floating_point() else 77)
+
+
+class FakeIsland:
+    """FAKE island communicator: ranks are threads that swap copies through a shared hub."""
+
+    def __init__(self, hub: "FakeIslandHub", rank: int) -> None:
+        self.hub, self.rank, self.size = hub, rank, hub.size
+
+    def _all(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        self.hub.slots[self.rank] = buf.clone()
+        self.hub.barrier.wait(timeout=10)
+        copies = list(self.hub.slots)
+        self.hub.barrier.wait(timeout=10)
+        return copies
+
+    def _reduced(self, buf: torch.Tensor, op: str) -> torch.Tensor:
+        copies = self._all(buf)
+        out = copies[0].clone()
+        for other in copies[1:]:
+            combine(out, other, op)
+        return out
+
+    def allreduce(self, buf, op):
+        buf.copy_(self._reduced(buf, op))
+
+    def reduce_scatter(self, buf, counts: Sequence[int], op):
+        assert sum(counts) == buf.numel()
+        out = self._reduced(buf, op)
+        offset, count = ranges(counts)[self.rank]
+        _poison(buf)
+        buf[offset:offset + count].copy_(out[offset:offset + count])
+
+    def allgather(self, buf, counts):
+        assert sum(counts) == buf.numel()
+        copies = self._all(buf)
+        for owner, (offset, count) in enumerate(ranges(counts)):
+            buf[offset:offset + count].copy_(copies[owner][offset:offset + count])
+
+    def gather(self, buf, counts, root):
+        copies = self._all(buf)
+        if self.rank == root:
+            for owner, (offset, count) in enumerate(ranges(counts)):
+                buf[offset:offset + count].copy_(copies[owner][offset:offset + count])
+
+    def broadcast(self, buf, root):
+        buf.copy_(self._all(buf)[root])
+
+    def reduce(self, buf, root, op):
+        out = self._reduced(buf, op)
+        if self.rank == root:
+            buf.copy_(out)
+        else:
+            _poison(buf)
+
+    def send(self, buf, peer):
+        self.hub.p2p[(self.rank, peer)].put(buf.clone())
+
+    def recv(self, buf, peer):
+        buf.copy_(self.hub.p2p[(peer, self.rank)].get(timeout=10))
+
+    def barrier(self):
+        self.hub.barrier.wait(timeout=10)
+
+    def close(self):
+        pass
+
+
+class FakeIslandHub:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size)
+        self.p2p = {(a, b): queue.SimpleQueue() for a in range(size) for b in range(size)}
+
+
+class _FakeRecv(Handle):
+    def __init__(self, border: "FakeBorder", peer: int, buf: torch.Tensor, tag: Tag) -> None:
+        super().__init__(peer, "recv")
+        self.border, self.buf, self.tag = border, buf, tag
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            tag, data = self.border.wires[(self.peer, self.border.rank)].get(timeout=timeout_s)
+        except queue.Empty:
+            raise HetCCLTimeoutError(f"recv from rank {self.peer} timed out") from None
+        if tag != self.tag or data.numel() != self.buf.numel():
+            raise HetCCLMismatchError(f"expected {self.tag} x{self.buf.numel()}, got {tag} x{data.numel()}")
+        self.buf.copy_(data)
+        self.border.bytes_received += data.numel() * data.element_size()
+
+
+class FakeBorder:
+    """FAKE border: per-pair queues in one process; counts bytes like the real one."""
+
+    def __init__(self, wires: dict, rank: int) -> None:
+        self.wires, self.rank = wires, rank
+        self.bytes_sent = self.bytes_received = 0
+
+    def isend(self, peer, buf, tag):
+        self.wires[(self.rank, peer)].put((tag, buf.clone()))
+        self.bytes_sent += buf.numel() * buf.element_size()
+        handle = Handle(peer, "send")
+        handle.finish()
+        return handle
+
+    def irecv(self, peer, buf, tag):
+        return _FakeRecv(self, peer, buf, tag)
+
+    def close(self):
+        pass
+
+
+def run_ranks(island_of_rank: Sequence[str], body: Callable[[PlanContext], object],
+              max_lanes: int | None = None) -> tuple[list, list[FakeBorder]]:
+    """Run ``body(ctx)`` on one thread per rank; return each rank's result and border."""
+    topo = Topology.from_islands(island_of_rank, max_lanes)
+    n = topo.world_size
+    hubs = {island.index: FakeIslandHub(island.size) for island in topo.islands}
+    wires = {(a, b): queue.SimpleQueue() for a in range(n) for b in range(n)}
+    borders = [FakeBorder(wires, r) for r in range(n)]
+    results: list = [None] * n
+    errors: list = []
+
+    def run(rank: int) -> None:
+        island = topo.island_of(rank)
+        ctx = PlanContext(topo, rank, FakeIsland(hubs[island.index], topo.local_rank(rank)),
+                          borders[rank], Tag(1, 0, 0), deadline=time.monotonic() + 60)
+        try:
+            results[rank] = body(ctx)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(exc)
+            for hub in hubs.values():
+                hub.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results, borders

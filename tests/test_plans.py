@@ -1,0 +1,171 @@
+"""Plans alone: threads as ranks over the in-process FAKE island and border."""
+
+import numpy as np
+import pytest
+import torch
+
+from hetccl_ray.collective import plans
+from hetccl_ray.topology import Topology
+from tests.fakes import run_ranks
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "1+2+3 interleaved": ["x", "y", "x", "z", "y", "x"],
+    "2+3": ["a", "b", "a", "b", "b"],
+    "one island": ["a", "a", "a"],
+    "one rank": ["a"],
+}
+NUMPY_OPS = {"sum": np.sum, "product": np.prod, "min": np.min, "max": np.max}
+SIZES = [1, 7, 1000]
+
+
+def inputs(world: int, n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 4, size=(world, n)).astype(np.float64)
+
+
+def border_total(borders) -> int:
+    return sum(b.bytes_sent for b in borders)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", NUMPY_OPS)
+@pytest.mark.parametrize("n", SIZES)
+def test_allreduce(layout, op, n):
+    islands = LAYOUTS[layout]
+    data = inputs(len(islands), n)
+    results, borders = run_ranks(islands, lambda ctx: _allreduce(ctx, data[ctx.rank], op))
+    expect = NUMPY_OPS[op](data, axis=0)
+    for got in results:
+        np.testing.assert_array_equal(got, expect)
+    k = len(set(islands))
+    assert border_total(borders) == 2 * (k - 1) * n * 8
+
+
+def _allreduce(ctx, row, op):
+    buf = torch.tensor(row)
+    plans.allreduce(ctx, buf, op)
+    return buf.numpy()
+
+
+def _island_major(topo: Topology, rows: np.ndarray) -> np.ndarray:
+    return np.concatenate([rows[r] for r in topo.island_major_order()])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_reducescatter(layout, chunk):
+    islands = LAYOUTS[layout]
+    world = len(islands)
+    topo = Topology.from_islands(islands)
+    data = inputs(world, world * chunk, seed=1).reshape(world, world, chunk)  # [rank, dest, chunk]
+
+    def body(ctx):
+        buf = torch.tensor(_island_major(topo, data[ctx.rank]))
+        return plans.reducescatter(ctx, buf, "sum").clone().numpy()
+
+    results, borders = run_ranks(islands, body)
+    for r, got in enumerate(results):
+        np.testing.assert_array_equal(got, data[:, r, :].sum(axis=0))
+    assert border_total(borders) == (len(topo.islands) - 1) * world * chunk * 8
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_allgather(layout, chunk):
+    islands = LAYOUTS[layout]
+    world = len(islands)
+    topo = Topology.from_islands(islands)
+    data = inputs(world, chunk, seed=2)
+    order = topo.island_major_order()
+
+    def body(ctx):
+        buf = torch.zeros(world * chunk, dtype=torch.float64)
+        slot = order.index(ctx.rank)
+        buf[slot * chunk:(slot + 1) * chunk] = torch.tensor(data[ctx.rank])
+        plans.allgather(ctx, buf)
+        return buf.numpy()
+
+    results, borders = run_ranks(islands, body)
+    for got in results:
+        np.testing.assert_array_equal(got, _island_major(topo, data))
+    assert border_total(borders) == (len(topo.islands) - 1) * world * chunk * 8
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", SIZES)
+def test_broadcast_every_root(layout, n):
+    islands = LAYOUTS[layout]
+    k = len(set(islands))
+    for root in range(len(islands)):
+        data = inputs(len(islands), n, seed=root)
+
+        def body(ctx):
+            buf = torch.tensor(data[ctx.rank])
+            plans.broadcast(ctx, buf, root)
+            return buf.numpy()
+
+        results, borders = run_ranks(islands, body)
+        for got in results:
+            np.testing.assert_array_equal(got, data[root])
+        assert border_total(borders) == (k - 1) * n * 8
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_reduce_every_root(layout, op):
+    islands = LAYOUTS[layout]
+    k, n = len(set(islands)), 13
+    data = inputs(len(islands), n, seed=3)
+    for root in range(len(islands)):
+        def body(ctx):
+            buf = torch.tensor(data[ctx.rank])
+            plans.reduce(ctx, buf, root, op)
+            return buf.numpy()
+
+        results, borders = run_ranks(islands, body)
+        np.testing.assert_array_equal(results[root], NUMPY_OPS[op](data, axis=0))
+        assert border_total(borders) == (k - 1) * n * 8
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_send_recv_every_pair(layout):
+    islands = LAYOUTS[layout]
+    world = len(islands)
+    pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
+
+    def body(ctx):
+        got = {}
+        for a, b in pairs:
+            if ctx.rank == a:
+                plans.send(ctx, torch.full((3,), float(a * 10 + b)), b)
+            elif ctx.rank == b:
+                buf = torch.zeros(3)
+                plans.recv(ctx, buf, a)
+                got[a] = buf.numpy().copy()
+        return got
+
+    results, borders = run_ranks(islands, body)
+    for b in range(world):
+        for a, buf in results[b].items():
+            np.testing.assert_array_equal(buf, np.full(3, a * 10 + b))
+    cross = sum(1 for a, b in pairs if islands[a] != islands[b])
+    assert border_total(borders) == cross * 3 * 4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_barrier(layout):
+    results, _ = run_ranks(LAYOUTS[layout], lambda ctx: plans.barrier(ctx) or ctx.rank)
+    assert results == list(range(len(LAYOUTS[layout])))
+
+
+def test_lanes_capped():
+    data = inputs(4, 10)
+    results, borders = run_ranks(LAYOUTS["2x2"], lambda ctx: _allreduce(ctx, data[ctx.rank], "sum"), max_lanes=1)
+    for got in results:
+        np.testing.assert_array_equal(got, data.sum(axis=0))
+    assert [b.bytes_sent for b in borders] == [80, 0, 80, 0]
+
+
+def test_unknown_op():
+    with pytest.raises(ValueError, match="supported: sum, product, min, max"):
+        plans.combine(torch.zeros(1), torch.zeros(1), "avg")
