@@ -125,12 +125,13 @@ class _Link:
 class TcpBorder:
     """Border over TCP sockets. The lower rank of a pair connects; the higher accepts."""
 
-    def __init__(self, rank: int, secret: bytes, bind_host: str) -> None:
+    def __init__(self, rank: int, bind_host: str) -> None:
         self.rank = rank
         self.bytes_sent = 0
         self.bytes_received = 0
         self.rejected = 0
-        self._secret = secret
+        self._secret = b""
+        self._ready = threading.Event()
         self._addresses: dict[int, tuple[str, int]] = {}
         self._links: dict[int, _Link] = {}
         self._cond = threading.Condition()
@@ -152,9 +153,11 @@ class TcpBorder:
             self.bytes_sent += sent
             self.bytes_received += received
 
-    def set_peers(self, addresses: dict[int, tuple[str, int]]) -> None:
-        """Where every other rank listens (from the group's rendezvous)."""
+    def set_peers(self, addresses: dict[int, tuple[str, int]], secret: bytes) -> None:
+        """Where every other rank listens, and the group's secret (from the rendezvous)."""
         self._addresses = dict(addresses)
+        self._secret = secret
+        self._ready.set()
 
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0) -> Handle:
         handle = Handle(peer, "send")
@@ -229,6 +232,8 @@ class TcpBorder:
             sock.sendall(challenge)
             reply = bytearray(_RANK.size + _DIGEST)
             _recv_exact(sock, memoryview(reply))
+            if not self._ready.wait(_HANDSHAKE_TIMEOUT_S):
+                raise PermissionError("connection before this rank knew the group's secret")
             (peer,) = _RANK.unpack(bytes(reply[:_RANK.size]))
             proof = bytes(reply[_RANK.size:])
             if not (peer < self.rank and hmac.compare_digest(proof, _proof(self._secret, challenge, peer))):

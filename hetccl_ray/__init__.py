@@ -1,0 +1,91 @@
+"""hetccl_ray: a Ray collective group over GPU islands of mixed vendors.
+
+``import hetccl_ray`` registers the backend ``"hetccl"`` with ``ray.util.collective``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import ray
+from ray.util.collective import backend_registry
+from ray.util.collective import collective as _ray_collective
+
+from hetccl_ray.collective.group import BACKEND, HetCCLGroup
+from hetccl_ray.collective.options import GroupOptions
+from hetccl_ray.collective.rendezvous import options_key, put_raw
+from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLMismatchError, HetCCLPeerError,
+                               HetCCLTimeoutError)
+from hetccl_ray.topology import ISLAND_LABEL, Topology
+
+__version__ = "0.1.0"
+__all__ = ["BACKEND", "GroupOptions", "HetCCLGroup", "HetCCLError", "HetCCLTimeoutError", "HetCCLPeerError",
+           "HetCCLMismatchError", "HetCCLBrokenError", "ISLAND_LABEL", "Topology", "register", "setup_worker",
+           "set_group_options", "create_collective_group", "get_group", "border_stats"]
+
+
+def register() -> None:
+    """Register ``"hetccl"`` with Ray's collective backend registry; calling it again is harmless."""
+    if not backend_registry._global_registry.is_registered(BACKEND):
+        backend_registry.register_collective_backend(BACKEND, HetCCLGroup)
+
+
+def setup_worker() -> None:
+    """A ``worker_process_setup_hook``: ``ray.init(runtime_env={"worker_process_setup_hook":
+    "hetccl_ray.setup_worker"})`` registers the backend in every worker, no import needed."""
+    register()
+
+
+def set_group_options(group_name: str, options: Optional[GroupOptions] = None, **fields: Any) -> GroupOptions:
+    """Store options for ``group_name`` where its ranks read them when the group forms."""
+    options = options or GroupOptions(**fields)
+    put_raw(options_key(group_name), options.to_json())
+    return options
+
+
+def _register_in_actor(_instance: Any) -> str:
+    import hetccl_ray
+
+    hetccl_ray.register()
+    return ray.get_runtime_context().get_node_id()
+
+
+def create_collective_group(actors: Sequence[Any], world_size: int, ranks: Sequence[int],
+                            group_name: str = "default", options: Optional[GroupOptions] = None,
+                            **fields: Any) -> None:
+    """``ray.util.collective.create_collective_group(..., backend="hetccl")`` with options, that also
+    makes sure every actor has the backend registered (so an actor that never imported
+    hetccl_ray gets it, instead of Ray's "group not initialized" error). ``fields`` are
+    :class:`GroupOptions` fields, e.g. ``timeout_s=30``."""
+    options = options or GroupOptions(**fields)
+    timeout_s = options.timeout_s
+    refs = [actor.__ray_call__.remote(_register_in_actor) for actor in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for i, ref in enumerate(refs):
+        if ref not in ready:
+            raise HetCCLTimeoutError(f"group '{group_name}': actor {i} (rank {ranks[i]}) did not answer "
+                                     f"within {timeout_s:.0f}s while registering the hetccl backend")
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - reported with the actor it came from
+            raise HetCCLError(f"group '{group_name}': actor {i} (rank {ranks[i]}) cannot load hetccl_ray: "
+                              f"{exc}") from exc
+    set_group_options(group_name, options)
+    _ray_collective.create_collective_group(list(actors), world_size, list(ranks), backend="hetccl",
+                                            group_name=group_name)
+
+
+def get_group(group_name: str = "default") -> HetCCLGroup:
+    """Inside an actor: the hetccl group object of ``group_name`` (topology, counters)."""
+    group = _ray_collective.get_group_handle(group_name)
+    if not isinstance(group, HetCCLGroup):
+        raise HetCCLError(f"group '{group_name}' is a {type(group).__name__}, not a hetccl group")
+    return group
+
+
+def border_stats(group_name: str = "default") -> dict[str, Any]:
+    """Inside an actor: bytes this rank sent over the border, in all and per op."""
+    return get_group(group_name).border_stats()
+
+
+register()

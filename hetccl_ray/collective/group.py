@@ -1,0 +1,334 @@
+"""HetCCLGroup: Ray's ``BaseGroup`` for islands of mixed vendors joined by a border.
+
+Rendezvous (KV records -> topology -> border + island communicators), then every op goes
+through one wrapper (:meth:`HetCCLGroup._run`) that owns sequence numbers, deadlines,
+counters and error state; the plans in ``plans.py`` do the moving.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable, Optional
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.collective.collective_group.base_collective_group import BaseGroup
+from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, BarrierOptions, BroadcastOptions,
+                                       ReduceOp, ReduceOptions, ReduceScatterOptions)
+
+from hetccl_ray.collective import plans
+from hetccl_ray.collective.island import IslandComm, make_island
+from hetccl_ray.collective.options import GroupOptions
+from hetccl_ray.collective.rendezvous import Rendezvous, get_raw, options_key
+from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
+from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLMismatchError, HetCCLPeerError,
+                               HetCCLTimeoutError)
+from hetccl_ray.topology import Topology, island_for
+from hetccl_ray.transport.base import Tag
+from hetccl_ray.transport.tcp import TcpBorder
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "HETCCL"
+_RAY_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "product", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+_OP_CODES = {name: code for code, name in enumerate(
+    ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "barrier", "send"), start=1)}
+_OP_CODES["recv"] = _OP_CODES["send"]  # the two ends of one message carry the same tag
+_PROGRESS_PERIOD_S = 0.1
+
+
+def _local_vendor() -> Optional[str]:
+    """The vendor of this process's tensor library, if it drives a GPU."""
+    if getattr(torch.version, "hip", None):
+        return "amd"
+    try:
+        return "nvidia" if torch.cuda.is_available() else None
+    except RuntimeError:
+        return None
+
+
+def _generation(group_name: str) -> str:
+    """Tells incarnations of one group name apart: Ray's info actor id when declared."""
+    try:
+        return ray.get_actor("info_" + group_name)._actor_id.hex()
+    except ValueError:
+        return "init"
+
+
+class _Progress:
+    """Publishes this rank's last started op, so a timed-out peer can name who is missing."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
+        self.seq, self._published = 0, -1
+        self._rendezvous, self._rank = rendezvous, rank
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"hetccl-progress-{rank}")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_PROGRESS_PERIOD_S):
+            self.publish()
+
+    def publish(self) -> None:
+        seq = self.seq
+        if seq != self._published:
+            self._rendezvous.put(f"progress/{self._rank}", {"seq": seq})
+            self._published = seq
+
+    def behind(self, world_size: int, seq: int) -> list[int]:
+        """Ranks whose last published op is older than ``seq``."""
+        time.sleep(3 * _PROGRESS_PERIOD_S)
+        return [r for r in range(world_size)
+                if (self._rendezvous.get(f"progress/{r}") or {"seq": 0})["seq"] < seq]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class HetCCLGroup(BaseGroup):
+    """A Ray collective group over vendor islands: ``backend="hetccl"``."""
+
+    def __init__(self, world_size: int, rank: int, group_name: str) -> None:
+        super().__init__(world_size, rank, group_name)
+        self.options = GroupOptions.from_json(get_raw(options_key(group_name)))
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._p2p_seq: dict[tuple[str, int], int] = defaultdict(int)
+        self._broken: Optional[BaseException] = None
+        self._scratch = plans.ScratchPool()
+        self._islands: dict[str, IslandComm] = {}
+        self._sent_by_op: dict[str, int] = defaultdict(int)
+        self.last_op_bytes_sent = 0
+        deadline = time.monotonic() + self.options.timeout_s
+        self._rendezvous = Rendezvous(group_name, _generation(group_name))
+        host = self.options.bind_host or ray.util.get_node_ip_address()
+        self.border = TcpBorder(rank, host)
+        self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False) if rank == 0 else None
+        labels = ray.get_runtime_context().get_node_labels()
+        override = self.options.islands.get(rank) or os.environ.get("HETCCL_ISLAND")
+        record = {"island": island_for(override, labels, _local_vendor()),
+                  "host": host, "port": self.border.address[1]}
+        if self._store is not None:
+            record.update(store_port=self._store.port, secret=secrets.token_hex(32))
+        self._rendezvous.put(f"rank/{rank}", record)
+        try:
+            records = self._rendezvous.wait([f"rank/{r}" for r in range(world_size)], deadline)
+        except HetCCLTimeoutError as exc:
+            self.border.close()
+            missing = sorted(int(key.split("/")[1]) for key in exc.missing)
+            raise HetCCLTimeoutError(f"forming group '{group_name}' on rank {rank} timed out after "
+                                     f"{self.options.timeout_s:.1f}s; ranks that did not arrive: {missing}") from None
+        records = [records[f"rank/{r}"] for r in range(world_size)]
+        self.topology = Topology.from_islands([rec["island"] for rec in records], self.options.max_lanes)
+        self.border.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank},
+                              bytes.fromhex(records[0]["secret"]))
+        self._store_address = (records[0]["host"], records[0]["store_port"])
+        self._progress = _Progress(self._rendezvous, rank)
+        self._islands["cpu"] = self._make_island("cpu")
+        logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
+
+    def __repr__(self) -> str:
+        return (f"HetCCLGroup(name={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"{self.topology.describe()})")
+
+    @classmethod
+    def backend(cls) -> str:
+        return BACKEND
+
+    @classmethod
+    def check_backend_availability(cls) -> bool:
+        return dist.is_available() and dist.is_gloo_available()
+
+    @property
+    def island(self):
+        """This rank's island (name, index, ranks)."""
+        return self.topology.island_of(self.rank)
+
+    def _make_island(self, device_type: str) -> IslandComm:
+        island = self.island
+        store = self._store or dist.TCPStore(*self._store_address, None, False,
+                                             timeout=datetime.timedelta(seconds=self.options.timeout_s))
+        self._store = store
+        prefix = f"{self._rendezvous.prefix}{island.name}/{device_type}"
+        return make_island(device_type, dist.PrefixStore(prefix, store), self.topology.local_rank(self.rank),
+                           island.size, self.options.timeout_s, self.border.address[0])
+
+    def _island_for(self, device: torch.device) -> IslandComm:
+        if device.type not in self._islands:
+            self._islands[device.type] = self._make_island(device.type)
+        return self._islands[device.type]
+
+    def border_stats(self) -> dict[str, Any]:
+        """Bytes this rank sent/received over the border, in all and per op."""
+        return {"bytes_sent": self.border.bytes_sent, "bytes_received": self.border.bytes_received,
+                "last_op_bytes_sent": self.last_op_bytes_sent, "per_op": dict(self._sent_by_op),
+                "rejected_connections": self.border.rejected}
+
+    # -- the one wrapper every op goes through ---------------------------------------------------
+
+    def _run(self, op: str, device: torch.device, dtype: torch.dtype, body: Callable[[plans.PlanContext], Any],
+             peer: Optional[int] = None) -> Any:
+        with self._lock:
+            if self._broken is not None:
+                raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
+                                        f"({self._broken}); destroy and re-create it") from self._broken
+            if peer is None:
+                self._seq += 1
+                seq = self._seq
+                self._progress.seq = seq
+            else:
+                self._p2p_seq[op, peer] += 1
+                seq = self._p2p_seq[op, peer]
+            where = f"{op} #{seq} in group '{self.group_name}' on rank {self.rank}"
+            started, before = time.monotonic(), self.border.bytes_sent
+            ctx = plans.PlanContext(self.topology, self.rank, self._island_for(device), self.border,
+                                    Tag(_OP_CODES[op], seq, dtype_code(dtype)),
+                                    started + self.options.timeout_s, self._scratch)
+            try:
+                return body(ctx)
+            except (HetCCLError, RuntimeError) as exc:
+                self._broken = self._explain(exc, where, seq, peer)
+                raise self._broken from exc
+            finally:
+                self.last_op_bytes_sent = self.border.bytes_sent - before
+                self._sent_by_op[op] += self.last_op_bytes_sent
+
+    def _explain(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
+        """The error to raise: what failed, where, and which ranks did not arrive."""
+        text = str(exc)
+        if isinstance(exc, HetCCLMismatchError):
+            return HetCCLMismatchError(f"{where}: mismatched call: {text}")
+        if isinstance(exc, HetCCLTimeoutError) or "Timed out" in text or "timed out" in text:
+            if peer is not None:
+                missing = [peer]
+            else:
+                self._progress.publish()
+                missing = [r for r in self._progress.behind(self.world_size, seq) if r != self.rank]
+            waiting = getattr(exc, "waiting_for", None)
+            detail = f"; waiting for rank {waiting}" if waiting is not None else ""
+            return HetCCLTimeoutError(f"{where} timed out after {self.options.timeout_s:.1f}s; ranks that did "
+                                      f"not arrive: {missing}{detail} ({text})")
+        return HetCCLPeerError(f"{where} failed: {text}")
+
+    # -- argument checks -------------------------------------------------------------------------
+
+    def _one(self, tensors: Any, what: str) -> Any:
+        if isinstance(tensors, (list, tuple)):
+            if len(tensors) != 1:
+                raise ValueError(f"group '{self.group_name}': {what} takes one tensor per rank, got a list of "
+                                 f"{len(tensors)} (multi-GPU lists are not supported by hetccl)")
+            return tensors[0]
+        return tensors
+
+    def _rank_arg(self, rank: int, what: str) -> int:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"group '{self.group_name}': {what} {rank!r} is not a rank of this group of "
+                             f"{self.world_size} (0..{self.world_size - 1})")
+        return rank
+
+    def _per_rank_list(self, lists: Any, what: str) -> list[Operand]:
+        tensor_list = self._one(lists, what)
+        if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != self.world_size:
+            got = len(tensor_list) if isinstance(tensor_list, (list, tuple)) else type(tensor_list).__name__
+            raise ValueError(f"group '{self.group_name}': {what} must be a list of world_size="
+                             f"{self.world_size} tensors, got {got}")
+        return [Operand(t) for t in tensor_list]
+
+    @staticmethod
+    def _reduce_op(options: Any) -> str:
+        op = getattr(options, "reduceOp", ReduceOp.SUM)
+        if op not in _RAY_OPS:
+            raise ValueError(f"unsupported reduce op {op!r}; supported: SUM, PRODUCT, MIN, MAX")
+        return _RAY_OPS[op]
+
+    # -- BaseGroup ops ---------------------------------------------------------------------------
+
+    def allreduce(self, tensor: Any, allreduce_options: Any = AllReduceOptions()) -> None:
+        x = Operand(self._one(tensor, "allreduce"))
+        op = self._reduce_op(allreduce_options)
+        if x.numel:
+            self._run("allreduce", x.flat.device, x.flat.dtype, lambda ctx: plans.allreduce(ctx, x.flat, op))
+        x.write_back()
+
+    def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
+        self._run("barrier", torch.device("cpu"), torch.uint8, plans.barrier)
+
+    def reduce(self, tensor: Any, reduce_options: Any = ReduceOptions()) -> None:
+        x = Operand(self._one(tensor, "reduce"))
+        root = self._rank_arg(reduce_options.root_rank, "reduce root")
+        op = self._reduce_op(reduce_options)
+        work = x.flat if self.rank == root else x.flat.clone()
+        if x.numel:
+            self._run("reduce", x.flat.device, x.flat.dtype, lambda ctx: plans.reduce(ctx, work, root, op))
+        if self.rank == root:
+            x.write_back()
+
+    def broadcast(self, tensor: Any, broadcast_options: Any = BroadcastOptions()) -> None:
+        x = Operand(self._one(tensor, "broadcast"))
+        root = self._rank_arg(broadcast_options.root_rank, "broadcast root")
+        if x.numel:
+            self._run("broadcast", x.flat.device, x.flat.dtype, lambda ctx: plans.broadcast(ctx, x.flat, root))
+        x.write_back()
+
+    def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
+        x = Operand(self._one(tensor, "allgather input"))
+        outputs = self._per_rank_list(tensor_list, "allgather output tensor_list")
+        same_kind(x, outputs, "allgather output tensor_list")
+        n, order = x.numel, self.topology.island_major_order()
+        buf = self._scratch.get("allgather", n * self.world_size, x.flat)
+        slot = order.index(self.rank)
+        buf[slot * n:(slot + 1) * n].copy_(x.flat)
+        if n:
+            self._run("allgather", x.flat.device, x.flat.dtype, lambda ctx: plans.allgather(ctx, buf))
+        for slot, rank in enumerate(order):
+            outputs[rank].flat.copy_(buf[slot * n:(slot + 1) * n])
+            outputs[rank].write_back()
+
+    def reducescatter(self, tensor: Any, tensor_list: Any,
+                      reducescatter_options: Any = ReduceScatterOptions()) -> None:
+        out = Operand(self._one(tensor, "reducescatter output"))
+        inputs = self._per_rank_list(tensor_list, "reducescatter input tensor_list")
+        same_kind(out, inputs, "reducescatter input tensor_list")
+        op = self._reduce_op(reducescatter_options)
+        n, order = out.numel, self.topology.island_major_order()
+        buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
+        for slot, rank in enumerate(order):
+            buf[slot * n:(slot + 1) * n].copy_(inputs[rank].flat)
+        if n:
+            result = self._run("reducescatter", out.flat.device, out.flat.dtype,
+                               lambda ctx: plans.reducescatter(ctx, buf, op))
+            out.flat.copy_(result)
+        out.write_back()
+
+    def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> Operand:
+        x = Operand(self._one(tensor, op))
+        peer = self._rank_arg(peer, f"{op} peer")
+        if peer == self.rank:
+            raise ValueError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
+        self._run(op, x.flat.device, x.flat.dtype, lambda ctx: plan(ctx, x.flat, peer), peer=peer)
+        return x
+
+    def send(self, tensor: Any, send_options: Any) -> None:
+        self._p2p("send", tensor, send_options.dst_rank, plans.send)
+
+    def recv(self, tensor: Any, recv_options: Any) -> None:
+        self._p2p("recv", tensor, recv_options.src_rank, plans.recv).write_back()
+
+    def destroy_group(self) -> None:
+        """Close the border, the island communicators and the progress thread; drop KV records."""
+        self._progress.close()
+        self.border.close()
+        for island in self._islands.values():
+            island.close()
+        self._islands.clear()
+        for key in (f"rank/{self.rank}", f"progress/{self.rank}"):
+            self._rendezvous.delete(key)
+        self._store = None

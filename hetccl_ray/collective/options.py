@@ -1,0 +1,46 @@
+"""Per-group options: set from the driver through Ray's KV, defaults from the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass
+class GroupOptions:
+    """What a hetccl group can be told.
+
+    timeout_s: deadline of every collective and connection step (``HETCCL_TIMEOUT_S``).
+    islands: group rank -> island name, overriding labels (``HETCCL_ISLAND`` per process).
+    max_lanes: cap on cross-island lanes (``HETCCL_MAX_LANES``).
+    bind_host: address border listeners bind to (``HETCCL_BIND_HOST``; default node IP).
+    """
+
+    timeout_s: float = field(default_factory=lambda: _env_float("HETCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    islands: dict[int, str] = field(default_factory=dict)
+    max_lanes: Optional[int] = field(default_factory=lambda: int(os.environ["HETCCL_MAX_LANES"])
+                                     if os.environ.get("HETCCL_MAX_LANES") else None)
+    bind_host: Optional[str] = field(default_factory=lambda: os.environ.get("HETCCL_BIND_HOST") or None)
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_lanes is not None and self.max_lanes < 1:
+            raise ValueError(f"max_lanes must be >= 1, got {self.max_lanes}")
+        self.islands = {int(rank): str(name) for rank, name in self.islands.items()}
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: Optional[bytes]) -> "GroupOptions":
+        return cls(**json.loads(raw)) if raw else cls()

@@ -1,0 +1,66 @@
+"""Rendezvous through Ray's internal KV, scoped by group name, every wait with a deadline."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterable, Optional
+
+import ray.experimental.internal_kv as kv
+
+from hetccl_ray.errors import HetCCLTimeoutError
+
+NAMESPACE = "hetccl"
+
+
+def options_key(group_name: str) -> str:
+    return f"{group_name}/options"
+
+
+def put_raw(key: str, value: bytes) -> None:
+    kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
+
+
+def get_raw(key: str) -> Optional[bytes]:
+    return kv._internal_kv_get(key, namespace=NAMESPACE)
+
+
+def delete(key: str) -> None:
+    kv._internal_kv_del(key, namespace=NAMESPACE)
+
+
+class Rendezvous:
+    """Records of one group incarnation: ``{group}/{generation}/...`` keys holding JSON."""
+
+    def __init__(self, group_name: str, generation: str) -> None:
+        self.group_name = group_name
+        self.prefix = f"{group_name}/{generation}/"
+
+    def put(self, key: str, value: dict) -> None:
+        put_raw(self.prefix + key, json.dumps(value).encode())
+
+    def get(self, key: str) -> Optional[dict]:
+        raw = get_raw(self.prefix + key)
+        return json.loads(raw) if raw else None
+
+    def delete(self, key: str) -> None:
+        delete(self.prefix + key)
+
+    def wait(self, keys: Iterable[str], deadline: float) -> dict[str, dict]:
+        """All ``keys``' records, or an error naming the ones missing at ``deadline``."""
+        pending, found, pause = list(keys), {}, 0.002
+        while True:
+            for key in list(pending):
+                value = self.get(key)
+                if value is not None:
+                    found[key] = value
+                    pending.remove(key)
+            if not pending:
+                return found
+            if time.monotonic() >= deadline:
+                error = HetCCLTimeoutError(
+                    f"group '{self.group_name}': records did not arrive before the deadline: {sorted(pending)}")
+                error.missing = pending
+                raise error
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)

@@ -1,0 +1,76 @@
+"""User tensors (numpy, torch, cupy) to flat torch buffers and back, with clear errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                    torch.int32, torch.int64, torch.uint8)
+_NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small number naming the dtype in border headers."""
+    return SUPPORTED_DTYPES.index(dtype)
+
+
+def to_torch(tensor: Any) -> torch.Tensor:
+    """A torch view of a numpy array, torch tensor or cupy array, sharing its memory."""
+    if isinstance(tensor, torch.Tensor):
+        out = tensor
+    elif isinstance(tensor, np.ndarray):
+        if tensor.dtype.kind not in "fiu" or tensor.dtype.byteorder == ">":
+            raise TypeError(f"unsupported numpy dtype {tensor.dtype}; supported: {_NAMES}")
+        out = torch.from_numpy(np.ascontiguousarray(tensor) if tensor.strides and min(tensor.strides) < 0
+                               else tensor)
+    elif hasattr(tensor, "__cuda_array_interface__") or hasattr(tensor, "__dlpack__"):
+        out = torch.from_dlpack(tensor)
+    else:
+        raise TypeError(f"unsupported tensor type {type(tensor).__name__}; supported: numpy.ndarray, "
+                        "torch.Tensor, cupy.ndarray")
+    if out.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {out.dtype}; supported: {_NAMES}")
+    if out.is_sparse or out.is_quantized:
+        raise TypeError("sparse and quantized tensors are not supported; pass a dense tensor")
+    return out
+
+
+class Operand:
+    """A user tensor as a flat contiguous buffer; ``write_back`` copies results into it.
+
+    Contiguous tensors are used in place (no copy). Non-contiguous ones, and numpy arrays
+    with negative strides, are worked on in a contiguous copy that is copied back.
+    """
+
+    def __init__(self, tensor: Any) -> None:
+        self.user = tensor
+        self.view = to_torch(tensor)
+        self.in_place = self.view.is_contiguous() and (
+            not isinstance(tensor, np.ndarray) or self.view.data_ptr() == tensor.ctypes.data)
+        self.flat = (self.view if self.in_place else self.view.contiguous()).reshape(-1)
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+    def write_back(self) -> None:
+        if self.in_place:
+            return
+        if isinstance(self.user, np.ndarray):
+            self.user[...] = self.flat.reshape(self.user.shape).numpy()
+        else:
+            self.view.copy_(self.flat.reshape(self.view.shape))
+
+
+def same_kind(reference: Operand, others: list[Operand], what: str) -> None:
+    """Every operand of one call has the reference's dtype, device and element count."""
+    for i, other in enumerate(others):
+        if (other.flat.dtype, other.flat.device, other.numel) != (
+                reference.flat.dtype, reference.flat.device, reference.numel):
+            raise ValueError(
+                f"{what}[{i}] is {other.flat.dtype} on {other.flat.device} with {other.numel} elements; "
+                f"expected {reference.flat.dtype} on {reference.flat.device} with {reference.numel}")
+

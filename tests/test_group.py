@@ -1,0 +1,352 @@
+"""The hetccl backend through ray.util.collective on a real local multi-node Ray cluster.
+
+Nodes carry ``hetccl.io/island`` labels; actors are placed with label selectors. Every op,
+dtype and size is checked against numpy, and border byte counters against the lower bound.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray.util import collective as col
+
+import hetccl_ray
+from tests import cluster as test_cluster
+from tests.cases import DTYPES, REDUCE_OPS, SIZES, as_float, libs, make, seed_of, values
+
+# group name -> (actor picks as (island, index) in rank order)
+LAYOUTS = {
+    "two": [("a", 0), ("a", 1), ("b", 0), ("b", 1)],                          # 2 islands, 2+2
+    "three": [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1), ("a", 2)],    # 1+2+3 interleaved
+    "one": [("a", 0), ("a", 1), ("a", 2)],                                    # one island
+}
+ISLAND_COUNT = {"two": 2, "three": 3, "one": 1}
+
+
+@pytest.fixture(scope="module")
+def actors():
+    cluster, actors = test_cluster.start({"a": 3, "b": 2, "c": 1})
+    for name, picks in LAYOUTS.items():
+        members = [actors[island][i] for island, i in picks]
+        hetccl_ray.create_collective_group(members, len(members), list(range(len(members))),
+                                           group_name=name, timeout_s=60)
+    yield actors
+    test_cluster.stop(cluster)
+
+
+def members(actors, name):
+    return [actors[island][i] for island, i in LAYOUTS[name]]
+
+
+def on_all(actors, name, fn, *args):
+    group = members(actors, name)
+    return ray.get([a.call.remote(fn, name, rank, len(group), *args) for rank, a in enumerate(group)], timeout=600)
+
+
+# -- functions that run inside the actors ------------------------------------------------------
+
+def _last_bytes(name):
+    return hetccl_ray.border_stats(name)["last_op_bytes_sent"]
+
+
+def sweep_allreduce(name, rank, world):
+    out = {}
+    for dtype in DTYPES:
+        for n in SIZES:
+            for op in REDUCE_OPS:
+                for lib in libs(dtype):
+                    high = 3 if op == "PRODUCT" else 4
+                    x = make(values(rank, n, seed_of(dtype, n, op), low=1, high=high), dtype, lib)
+                    col.allreduce(x, group_name=name, op=getattr(col.types.ReduceOp, op))
+                    out[dtype, n, op, lib] = (as_float(x), _last_bytes(name))
+    return out
+
+
+def sweep_rooted(name, rank, world):
+    out = {}
+    for dtype in ["float32", "bfloat16", "int64", "uint8"]:
+        for n in [1, 1031]:
+            for root in range(world):
+                lib = libs(dtype)[-1]
+                x = make(values(rank, n, root), dtype, lib)
+                col.broadcast(x, src_rank=root, group_name=name)
+                out["broadcast", dtype, n, root] = (as_float(x), _last_bytes(name))
+                y = make(values(rank, n, root + 50), dtype, lib)
+                col.reduce(y, dst_rank=root, group_name=name, op=col.types.ReduceOp.MAX)
+                out["reduce", dtype, n, root] = (as_float(y), _last_bytes(name))
+    return out
+
+
+def sweep_gather_scatter(name, rank, world):
+    out = {}
+    for dtype in DTYPES:
+        for n in [1, 7, 1031]:
+            lib = libs(dtype)[rank % len(libs(dtype))]
+            x = make(values(rank, n, 7), dtype, lib)
+            outs = [make(np.zeros(n), dtype, lib) for _ in range(world)]
+            col.allgather(outs, x, group_name=name)
+            out["allgather", dtype, n] = (np.stack([as_float(t) for t in outs]), _last_bytes(name))
+            ins = [make(values(rank * world + j, n, 8), dtype, lib) for j in range(world)]
+            y = make(np.zeros(n), dtype, lib)
+            col.reducescatter(y, ins, group_name=name)
+            out["reducescatter", dtype, n] = (as_float(y), _last_bytes(name))
+    return out
+
+
+def sweep_sendrecv(name, rank, world):
+    got = {}
+    for src in range(world):
+        for dst in range(world):
+            if src == dst:
+                continue
+            if rank == src:
+                col.send(torch.full((5,), src * 100.0 + dst), dst, group_name=name)
+            elif rank == dst:
+                buf = torch.zeros(5)
+                col.recv(buf, src, group_name=name)
+                got[src] = buf.numpy().copy()
+    return got
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_allreduce_every_dtype_size_op(actors, name):
+    results = on_all(actors, name, sweep_allreduce)
+    world, k = len(LAYOUTS[name]), ISLAND_COUNT[name]
+    for key in results[0]:
+        dtype, n, op, _ = key
+        high = 3 if op == "PRODUCT" else 4
+        inputs = np.stack([values(r, n, seed_of(dtype, n, op), low=1, high=high) for r in range(world)])
+        expect = REDUCE_OPS[op](inputs.astype(dtype) if dtype != "bfloat16" else inputs, axis=0)
+        expect = expect.astype(dtype).astype(np.float64) if dtype != "bfloat16" else expect
+        for rank in range(world):
+            np.testing.assert_array_equal(results[rank][key][0], expect, err_msg=f"{key} rank {rank}")
+        itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        assert sum(results[r][key][1] for r in range(world)) == 2 * (k - 1) * n * itemsize, key
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_broadcast_and_reduce_every_root(actors, name):
+    results = on_all(actors, name, sweep_rooted)
+    world, k = len(LAYOUTS[name]), ISLAND_COUNT[name]
+    for key in results[0]:
+        kind, dtype, n, root = key
+        itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        if kind == "broadcast":
+            for rank in range(world):
+                np.testing.assert_array_equal(results[rank][key][0], values(root, n, root))
+        else:
+            expect = np.max([values(r, n, root + 50) for r in range(world)], axis=0)
+            np.testing.assert_array_equal(results[root][key][0], expect)
+            for rank in range(world):  # non-root inputs are left as they were
+                if rank != root:
+                    np.testing.assert_array_equal(results[rank][key][0], values(rank, n, root + 50))
+        assert sum(results[r][key][1] for r in range(world)) == (k - 1) * n * itemsize, key
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_allgather_and_reducescatter(actors, name):
+    results = on_all(actors, name, sweep_gather_scatter)
+    world, k = len(LAYOUTS[name]), ISLAND_COUNT[name]
+    for key in results[0]:
+        kind, dtype, n = key
+        itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        for rank in range(world):
+            if kind == "allgather":
+                expect = np.stack([values(r, n, 7) for r in range(world)])
+            else:
+                expect = np.sum([values(r * world + rank, n, 8) for r in range(world)], axis=0)
+            np.testing.assert_array_equal(results[rank][key][0], expect, err_msg=f"{key} rank {rank}")
+        assert sum(results[r][key][1] for r in range(world)) == (k - 1) * world * n * itemsize, key
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_send_recv_every_pair(actors, name):
+    results = on_all(actors, name, sweep_sendrecv)
+    for dst, got in enumerate(results):
+        assert sorted(got) == [r for r in range(len(results)) if r != dst]
+        for src, buf in got.items():
+            np.testing.assert_array_equal(buf, np.full(5, src * 100.0 + dst))
+
+
+def _barrier_and_topology(name, rank, world):
+    col.barrier(group_name=name)
+    group = hetccl_ray.get_group(name)
+    return group.island.name, [list(i.ranks) for i in group.topology.islands], group.topology.lanes
+
+
+def test_islands_come_from_node_labels(actors):
+    results = on_all(actors, "three", _barrier_and_topology)
+    assert [r[0] for r in results] == ["a", "b", "a", "c", "b", "a"]
+    assert results[0][1:] == ([[0, 2, 5], [1, 4], [3]], 1)
+
+
+def test_one_island_costs_no_border_traffic(actors):
+    stats = on_all(actors, "one", lambda name, rank, world: hetccl_ray.border_stats(name))
+    assert all(s["bytes_sent"] == 0 and s["bytes_received"] == 0 for s in stats)
+
+
+def _odd_tensors(name, rank, world):
+    base = torch.zeros(20)
+    strided = base[::2]                      # non-contiguous torch view
+    strided.fill_(rank + 1)
+    col.allreduce(strided, group_name=name)
+    backwards = np.full(9, rank + 1.0)[::-1]  # numpy, negative stride
+    col.allreduce(backwards, group_name=name)
+    empty = np.zeros(0, dtype=np.float32)
+    col.allreduce(empty, group_name=name)
+    scalar = torch.tensor(float(rank + 1))   # 0-d
+    col.allreduce(scalar, group_name=name)
+    matrix = torch.full((3, 4), float(rank + 1))
+    col.broadcast(matrix, src_rank=world - 1, group_name=name)
+    return base.numpy(), backwards.copy(), empty.shape, scalar.item(), matrix.numpy()
+
+
+def test_odd_tensors(actors):
+    results = on_all(actors, "two", _odd_tensors)
+    total = sum(range(1, 5))
+    for base, backwards, empty_shape, scalar, matrix in results:
+        np.testing.assert_array_equal(base[::2], np.full(10, total))
+        np.testing.assert_array_equal(base[1::2], np.zeros(10))  # untouched between the strides
+        np.testing.assert_array_equal(backwards, np.full(9, total))
+        assert empty_shape == (0,) and scalar == total
+        np.testing.assert_array_equal(matrix, np.full((3, 4), 4.0))
+
+
+def _bad_inputs(name, rank, world):
+    from ray.util.collective.types import BroadcastOptions
+
+    group = hetccl_ray.get_group(name)
+    errors = {}
+    cases = {
+        "short list": lambda: group.allgather([[torch.zeros(2)] * (world - 1)], [torch.zeros(2)]),
+        "ray short list": lambda: col.allgather([torch.zeros(2)] * (world - 1), torch.zeros(2), group_name=name),
+        "bad shape": lambda: group.reducescatter([torch.zeros(2)], [[torch.zeros(3)] * world]),
+        "root out of range": lambda: group.broadcast([torch.zeros(2)], _opts(BroadcastOptions, root_rank=world)),
+        "ray rank out of range": lambda: col.send(torch.zeros(2), world + 3, group_name=name),
+        "complex dtype": lambda: col.allreduce(torch.zeros(2, dtype=torch.complex64), group_name=name),
+        "bool dtype": lambda: col.allreduce(np.zeros(2, dtype=bool), group_name=name),
+        "not a tensor": lambda: group.allreduce([[1.0, 2.0]]),
+        "no such group": lambda: col.allreduce(torch.zeros(2), group_name="no-such-group"),
+        "multi tensor": lambda: group.allreduce([torch.zeros(2), torch.zeros(2)]),
+    }
+    for what, call in cases.items():
+        try:
+            call()
+            errors[what] = None
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            errors[what] = f"{type(exc).__name__}: {exc}"
+    col.barrier(group_name=name)  # the group still works after refused input
+    return errors
+
+
+def _opts(cls, **fields):
+    opts = cls()
+    for key, value in fields.items():
+        setattr(opts, key, value)
+    return opts
+
+
+def test_bad_input_gives_clear_errors(actors):
+    errors = on_all(actors, "two", _bad_inputs)[0]
+    expect = {
+        "short list": "list of world_size=4",
+        "ray short list": "must be equal to world_size",
+        "bad shape": "with 3 elements; expected torch.float32 on cpu with 2",
+        "root out of range": "broadcast root 4 is not a rank",
+        "ray rank out of range": "must be less than world size",
+        "complex dtype": "unsupported dtype torch.complex64; supported: float16, bfloat16",
+        "bool dtype": "unsupported numpy dtype bool",
+        "not a tensor": "unsupported tensor type list",
+        "no such group": "'no-such-group' is not initialized",
+        "multi tensor": "takes one tensor per rank",
+    }
+    for what, text in expect.items():
+        assert errors[what] is not None and text in errors[what], (what, errors[what])
+
+
+def _allreduce_unless_last(name, rank, world):
+    col.barrier(group_name=name)
+    if rank == world - 1:
+        return None
+    started = time.monotonic()
+    try:
+        col.allreduce(torch.ones(8), group_name=name)
+    except hetccl_ray.HetCCLTimeoutError as exc:
+        return time.monotonic() - started, str(exc)
+    return "no error"
+
+
+def test_missing_peer_times_out_naming_op_and_rank(actors):
+    picks = LAYOUTS["two"]
+    group = [actors[island][i] for island, i in picks]
+    hetccl_ray.create_collective_group(group, 4, [0, 1, 2, 3], group_name="late", timeout_s=3)
+    results = ray.get([a.call.remote(_allreduce_unless_last, "late", r, 4) for r, a in enumerate(group)],
+                      timeout=60)
+    for elapsed, message in results[:3]:
+        assert elapsed < 3 + 2, message
+        assert "allreduce #2 in group 'late'" in message and "did not arrive: [3]" in message, message
+
+
+def _form_group(name, rank, world):
+    started = time.monotonic()
+    try:
+        col.barrier(group_name=name)
+    except hetccl_ray.HetCCLTimeoutError as exc:
+        return time.monotonic() - started, str(exc)
+    return "no error"
+
+
+def test_rank_that_never_joins_is_named(actors):
+    group = members(actors, "two")[:3]
+    hetccl_ray.create_collective_group(group, 4, [0, 1, 2], group_name="short", timeout_s=2)
+    results = ray.get([a.call.remote(_form_group, "short", r, 4) for r, a in enumerate(group)], timeout=60)
+    for elapsed, message in results:
+        assert elapsed < 2 + 2, message
+        assert "forming group 'short'" in message and "did not arrive: [3]" in message, message
+
+
+def _init_inside(name, rank, world):
+    col.init_collective_group(world, rank, backend="hetccl", group_name=name)
+    x = np.arange(6, dtype=np.int64) * (rank + 1)
+    col.allreduce(x, group_name=name)
+    col.destroy_collective_group(name)
+    return x
+
+
+def test_init_collective_group_inside_actors(actors):
+    hetccl_ray.set_group_options("inside", timeout_s=30)
+    results = on_all(actors, "three", lambda name, rank, world: _init_inside("inside", rank, world))
+    for x in results:
+        np.testing.assert_array_equal(x, np.arange(6) * 21)
+
+
+def test_ray_create_collective_group_directly(actors):
+    """Plain Ray code, no hetccl_ray call: the worker setup hook registered the backend."""
+    group = members(actors, "two")
+    col.create_collective_group(group, 4, [3, 2, 1, 0], backend="hetccl", group_name="plain")
+    results = ray.get([a.call.remote(_allreduce_rank, "plain") for a in group], timeout=120)
+    assert [r[0] for r in results] == [3, 2, 1, 0]
+    for _, x in results:
+        np.testing.assert_array_equal(x, np.full(4, 10.0))
+
+
+def _allreduce_rank(name):
+    col.barrier(group_name=name)  # a declared group forms on its first collective call
+    rank = col.get_rank(name)
+    x = np.full(4, rank + 1.0)
+    col.allreduce(x, group_name=name)
+    return rank, x
+
+
+def test_register_twice_is_harmless():
+    hetccl_ray.register()
+    hetccl_ray.register()
+    from ray.util.collective.backend_registry import _global_registry
+
+    assert _global_registry.get("hetccl") is hetccl_ray.HetCCLGroup
