@@ -1,0 +1,369 @@
+"""hetccl-bench: nccl-tests-style sweeps of hetccl, with Ray's own gloo side by side.
+
+    hetccl-bench -b 8 -e 64M -f 2 -o allreduce --layout 2x2 --vs gloo --csv out.csv
+
+Sizes follow nccl-tests: ``size`` is the whole buffer (for allgather the gathered
+output, for reducescatter the input of all chunks); busbw = algbw x the op's bus factor.
+Both backends run on the same actors, interleaved size by size, so ratios are measured
+side by side. Bytes that crossed island boundaries are counted for hetccl (border
+counters) and derived for gloo from its ring over ranks in rank order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import ray
+import torch
+from ray.util import collective as col
+
+import hetccl_ray
+from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, place_workers
+from hetccl_ray.topology import ISLAND_LABEL, Topology
+
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"8"``, ``"64K"``, ``"128M"``, ``"1G"`` -> bytes."""
+    match = re.fullmatch(r"(\d+)([KMG]?)B?", text.strip().upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 8, 64K, 128M, 1G")
+    return int(match[1]) * _UNITS[match[2]]
+
+
+def sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
+    """nccl-tests' -b/-e/-f: min, min*f, ... up to max."""
+    if min_bytes < 1 or max_bytes < min_bytes or factor <= 1:
+        raise ValueError("need 1 <= -b <= -e and -f > 1")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size = int(math.ceil(size * factor))
+    return sizes
+
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' busbw factors: what each rank's link carries relative to algbw."""
+    if op == "allreduce":
+        return 2 * (world - 1) / world
+    if op in ("reducescatter", "allgather"):
+        return (world - 1) / world
+    return 1.0
+
+
+def ring_border_bytes(op: str, island_of_rank: Sequence[str], nbytes: int) -> int:
+    """Bytes a flat ring over ranks in rank order (gloo's allreduce/allgather/reducescatter
+    algorithm) sends across island boundaries: per crossing hop, the ring's per-link bytes.
+    Broadcast, reduce and sendrecv are modelled as a chain over ranks in rank order."""
+    n = len(island_of_rank)
+    crossings = sum(island_of_rank[r] != island_of_rank[(r + 1) % n] for r in range(n))
+    if op == "allreduce":
+        per_hop = 2 * (n - 1) / n * nbytes
+    elif op in ("reducescatter", "allgather"):
+        per_hop = (n - 1) / n * nbytes
+    else:
+        per_hop = nbytes
+        if op != "sendrecv":  # a chain has no wrap-around hop
+            crossings -= island_of_rank[n - 1] != island_of_rank[0]
+    return int(round(crossings * per_hop))
+
+
+def hetccl_bound(op: str, topo: Topology, nbytes: int) -> int:
+    """The design's lower bound on bytes crossing island boundaries, all ranks together."""
+    k = len(topo.islands)
+    if op == "allreduce":
+        return 2 * (k - 1) * nbytes
+    if op == "sendrecv":
+        order = [topo.island_of(r).index for r in range(topo.world_size)]
+        n = len(order)
+        return nbytes * sum(order[r] != order[(r + 1) % n] for r in range(n))
+    return (k - 1) * nbytes
+
+
+_BOUND_TEXT = {"allreduce": "2(k-1)S", "reducescatter": "(k-1)S", "allgather": "(k-1)S", "broadcast": "(k-1)S",
+               "reduce": "(k-1)S", "sendrecv": "S per ring hop that crosses islands"}
+
+
+# -- what each rank runs -------------------------------------------------------------------------
+
+def _buffers(op: str, count: int, world: int, rank: int, dtype: torch.dtype, fill: float) -> tuple:
+    """Inputs/outputs for one op; ``count`` is elements of the whole buffer (nccl-tests' size)."""
+    if op in ("allgather", "reducescatter"):
+        per_rank = count // world
+        chunks = [torch.full((per_rank,), fill, dtype=dtype) for _ in range(world)]
+        return torch.full((per_rank,), fill, dtype=dtype), chunks
+    return torch.full((count,), fill, dtype=dtype), None
+
+
+def _step(op: str, group: str, world: int, rank: int, x: torch.Tensor, chunks) -> Callable[[], None]:
+    """One call of ``op`` on prepared buffers."""
+    if op == "allreduce":
+        return lambda: col.allreduce(x, group_name=group)
+    if op == "broadcast":
+        return lambda: col.broadcast(x, src_rank=0, group_name=group)
+    if op == "reduce":
+        return lambda: col.reduce(x, dst_rank=0, group_name=group)
+    if op == "allgather":
+        return lambda: col.allgather(chunks, x, group_name=group)
+    if op == "reducescatter":
+        return lambda: col.reducescatter(x, chunks, group_name=group)
+    if op == "sendrecv":
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        recv_buf = torch.empty_like(x)
+
+        def exchange() -> None:
+            if rank % 2 == 0:
+                col.send(x, nxt, group_name=group)
+                col.recv(recv_buf, prv, group_name=group)
+            else:
+                col.recv(recv_buf, prv, group_name=group)
+                col.send(x, nxt, group_name=group)
+        exchange.recv_buf = recv_buf
+        return exchange
+    raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+
+
+def _wrong(op: str, world: int, rank: int, x: torch.Tensor, chunks, step) -> int:
+    """Elements that differ from the expected result of one call with inputs rank + 1."""
+    total = world * (world + 1) / 2
+    if op == "allreduce":
+        got, want = [x], [total]
+    elif op == "reduce":
+        got, want = ([x], [total]) if rank == 0 else ([], [])
+    elif op == "broadcast":
+        got, want = [x], [1.0]
+    elif op == "allgather":
+        got, want = chunks, [r + 1.0 for r in range(world)]
+    elif op == "reducescatter":
+        got, want = [x], [total]
+    else:
+        got, want = [step.recv_buf], [(rank - 1) % world + 1.0]
+    return int(sum((g.to(torch.float64) != w).sum().item() for g, w in zip(got, want)))
+
+
+def rank_run(group: str, backend: str, op: str, count: int, dtype_name: str, warmup: int, iters: int,
+             rank: int, world: int) -> dict:
+    """In one actor: check one call, then time ``iters`` calls after ``warmup``."""
+    dtype = getattr(torch, dtype_name)
+    x, chunks = _buffers(op, count, world, rank, dtype, rank + 1.0)
+    step = _step(op, group, world, rank, x, chunks)
+    col.barrier(group_name=group)
+    sent_before = hetccl_ray.border_stats(group)["bytes_sent"] if backend == "hetccl" else 0
+    step()
+    wrong = _wrong(op, world, rank, x, chunks, step)
+    border = hetccl_ray.border_stats(group)["bytes_sent"] - sent_before if backend == "hetccl" else None
+    for _ in range(warmup):
+        step()
+    col.barrier(group_name=group)
+    started = time.perf_counter()
+    for _ in range(iters):
+        step()
+    elapsed = (time.perf_counter() - started) / max(iters, 1)
+    return {"time_s": elapsed, "wrong": wrong, "border_bytes": border}
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+@dataclass
+class BenchSpec:
+    ops: Sequence[str]
+    sizes: Sequence[int]
+    dtype: str = "float32"
+    warmup: int = 2
+    iters: int = 5
+    vs_gloo: bool = False
+
+
+class _Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled and total > 0
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        filled = int(30 * self.done / self.total)
+        line = f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label}"
+        if self.tty:
+            sys.stderr.write(f"\r{line:<80}" + ("\n" if self.done == self.total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,
+              timeout_s: float = 120.0) -> pd.DataFrame:
+    """Form the groups on ``actors`` and run the sweep; one row per (op, size, backend)."""
+    world = len(actors)
+    topo = Topology.from_islands(island_of_rank)
+    stamp = f"{time.time_ns():x}"
+    groups = {"hetccl": f"bench-hetccl-{stamp}"}
+    hetccl_ray.create_collective_group(actors, world, list(range(world)), group_name=groups["hetccl"],
+                                       timeout_s=timeout_s)
+    if spec.vs_gloo:
+        groups["gloo"] = f"bench-gloo-{stamp}"
+        col.create_collective_group(list(actors), world, list(range(world)), backend="gloo",
+                                    group_name=groups["gloo"])
+    itemsize = torch.tensor([], dtype=getattr(torch, spec.dtype)).element_size()
+    bar = _Progress(len(spec.ops) * len(spec.sizes) * len(groups), progress)
+    rows = []
+    for op in spec.ops:
+        for size in spec.sizes:
+            unit = itemsize * (world if op in ("allgather", "reducescatter") else 1)
+            count = max(size // unit, 1) * unit // itemsize
+            nbytes = count * itemsize
+            for backend, group in groups.items():
+                results = ray.get([a.call.remote(rank_run, group, backend, op, count, spec.dtype, spec.warmup,
+                                                 spec.iters, rank, world) for rank, a in enumerate(actors)],
+                                  timeout=max(timeout_s, 600))
+                seconds = max(r["time_s"] for r in results)
+                algbw = nbytes / seconds / 1e9
+                border = (sum(r["border_bytes"] for r in results) if backend == "hetccl"
+                          else ring_border_bytes(op, island_of_rank, nbytes))
+                rows.append({"op": op, "size": nbytes, "count": count, "type": spec.dtype,
+                             "redop": "sum" if op in ("allreduce", "reducescatter", "reduce") else "none",
+                             "root": 0 if op in ("broadcast", "reduce") else -1, "backend": backend,
+                             "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, world),
+                             "wrong": sum(r["wrong"] for r in results), "border_bytes": border,
+                             "border_bound": hetccl_bound(op, topo, nbytes)})
+                bar.step(f"{op} {nbytes} B {backend}")
+    frame = pd.DataFrame(rows)
+    if spec.vs_gloo:
+        wide = frame.pivot_table(index=["op", "size"], columns="backend", values="time_us")
+        frame["hetccl_vs_gloo"] = frame.apply(
+            lambda row: wide.loc[(row.op, row["size"]), "gloo"] / wide.loc[(row.op, row["size"]), "hetccl"],
+            axis=1)
+    return frame
+
+
+def format_table(frame: pd.DataFrame) -> str:
+    """The nccl-tests table: one line per (op, size), hetccl columns then gloo's."""
+    backends = list(dict.fromkeys(frame["backend"]))
+    head1 = f"{'#':>1}{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>4}"
+    head2 = f"{'#':>1}{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>4}"
+    for backend in backends:
+        head1 += f" | {backend + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'border':>10}"
+        head2 += f" | {'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(B)':>10}"
+    if "hetccl_vs_gloo" in frame:
+        head1 += f" | {'gloo/hetccl':>11}"
+        head2 += f" | {'(x faster)':>11}"
+    lines = [head1, head2]
+    for op, per_op in frame.groupby("op", sort=False):
+        lines.append(f"# {op}  (hetccl border bound: {_BOUND_TEXT[op]})")
+        for size, rows in per_op.groupby("size", sort=False):
+            first = rows.iloc[0]
+            line = (f" {size:>12} {first['count']:>12} {first['type']:>8} {first['redop']:>6} "
+                    f"{first['root']:>4}")
+            for backend in backends:
+                row = rows[rows["backend"] == backend].iloc[0]
+                line += (f" | {row['time_us']:>12.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
+                         f"{row['wrong']:>6d} {int(row['border_bytes']):>10d}")
+            if "hetccl_vs_gloo" in frame:
+                line += f" | {first['hetccl_vs_gloo']:>11.2f}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetccl-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("1M"))
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0)
+    p.add_argument("-o", "--op", default="allreduce", help=f"comma list or 'all' of: {', '.join(OPS)}")
+    p.add_argument("-d", "--datatype", default="float32", choices=DTYPES)
+    p.add_argument("-w", "--warmup_iters", type=int, default=2)
+    p.add_argument("-n", "--iters", type=int, default=5)
+    p.add_argument("--layout", default="2x2", help="islands: '2x2' (2 islands of 2), '1,2,3', '4'")
+    p.add_argument("--interleave", action="store_true", help="deal ranks to islands round-robin")
+    p.add_argument("--address", default=None, help="a running Ray cluster whose nodes carry hetccl.io/island")
+    p.add_argument("--vs", choices=["gloo"], default=None, help="also run Ray's own backend, side by side")
+    p.add_argument("--link-rate", default=None,
+                   help="shape inter-island links (e.g. 1gbit): islands in their own network namespaces")
+    p.add_argument("--csv", default=None, help="write the results here")
+    p.add_argument("--timeout", type=float, default=120.0, help="group deadline, seconds")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--demo", action="store_true",
+                   help="the README demo: every op on 2x2 with --vs gloo, small sizes, under a minute")
+    return p
+
+
+def _ops(text: str) -> list[str]:
+    ops = list(OPS) if text == "all" else [o.strip() for o in text.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        raise SystemExit(f"hetccl-bench: unknown op(s) {unknown}; choose from {', '.join(OPS)} or 'all'")
+    return ops
+
+
+def _cluster_islands(sizes: list[int]) -> list[str]:
+    """On a running cluster: island names from node labels, dealt to the layout's sizes."""
+    names = sorted({n["Labels"][ISLAND_LABEL] for n in ray.nodes()
+                    if n.get("Alive") and ISLAND_LABEL in n.get("Labels", {})})
+    if len(names) < len(sizes):
+        raise SystemExit(f"hetccl-bench: the cluster has islands {names}; the layout needs {len(sizes)}")
+    return names[:len(sizes)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
+    args = _parser().parse_args(argv)
+    if args.demo:
+        args.op, args.vs = "all", "gloo"
+        args.minbytes, args.maxbytes, args.stepfactor = 1 << 10, 1 << 20, 32.0
+    spec = BenchSpec(_ops(args.op), sweep(args.minbytes, args.maxbytes, args.stepfactor), args.datatype,
+                     args.warmup_iters, args.iters, args.vs == "gloo")
+    sizes = parse_layout(args.layout)
+    islands = island_names(sizes, args.interleave)
+    if args.address:
+        ray.init(address=args.address)
+        real = _cluster_islands(sizes)
+        islands = [real[int(name.removeprefix("island"))] for name in islands]
+        cluster = None
+    elif args.link_rate:
+        from hetccl_ray.shaped_cluster import ShapedCluster
+
+        cluster = ShapedCluster(islands, args.link_rate)
+    else:
+        cluster = LocalCluster(islands)
+    header = (f"# hetccl-bench  layout {args.layout}{' interleaved' if args.interleave else ''}  "
+              f"islands by rank {islands}  link {args.link_rate or 'unshaped'}  transport tcp  "
+              f"type {spec.dtype}  warmup {spec.warmup}  iters {spec.iters}")
+    if cluster is None:
+        actors = place_workers(islands)
+        frame = run_sweep(actors, islands, spec, not args.no_progress, args.timeout)
+    else:
+        with cluster:
+            frame = run_sweep(cluster.workers(islands), islands, spec, not args.no_progress, args.timeout)
+    frame["layout"] = args.layout + ("i" if args.interleave else "")
+    frame["link_rate"] = args.link_rate or "unshaped"
+    print(header)
+    print(Topology.from_islands(islands).describe())
+    print(format_table(frame))
+    if args.csv:
+        frame.to_csv(args.csv, index=False)
+        print(f"# wrote {args.csv}")
+    if frame["wrong"].sum():
+        raise SystemExit(f"hetccl-bench: {int(frame['wrong'].sum())} wrong elements")
+    return frame
+
+
+def cli() -> None:
+    """The ``hetccl-bench`` console script."""
+    main()
+
+
+if __name__ == "__main__":
+    cli()
