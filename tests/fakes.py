@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import torch
 
 from hetccl_ray.collective.island import ranges
-from hetccl_ray.collective.plans import PlanContext, combine
+from hetccl_ray.collective.plans import PlanContext
+from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 from hetccl_ray.topology import Topology
 from hetccl_ray.transport.base import Handle, Tag
@@ -99,9 +100,9 @@ class FakeIslandHub:
 
 
 class _FakeRecv(Handle):
-    def __init__(self, border: "FakeBorder", peer: int, buf: torch.Tensor, tag: Tag) -> None:
+    def __init__(self, border: "FakeBorder", peer: int, buf: torch.Tensor, tag: Tag, op) -> None:
         super().__init__(peer, "recv")
-        self.border, self.buf, self.tag = border, buf, tag
+        self.border, self.buf, self.tag, self.op = border, buf, tag, op
 
     def wait(self, timeout_s: float) -> None:
         try:
@@ -110,7 +111,10 @@ class _FakeRecv(Handle):
             raise HetCCLTimeoutError(f"recv from rank {self.peer} timed out") from None
         if tag != self.tag or data.numel() != self.buf.numel():
             raise HetCCLMismatchError(f"expected {self.tag} x{self.buf.numel()}, got {tag} x{data.numel()}")
-        self.buf.copy_(data)
+        if self.op is None:
+            self.buf.copy_(data)
+        else:
+            combine(self.buf, data, self.op)
         self.border.bytes_received += data.numel() * data.element_size()
 
 
@@ -128,8 +132,8 @@ class FakeBorder:
         handle.finish()
         return handle
 
-    def irecv(self, peer, buf, tag):
-        return _FakeRecv(self, peer, buf, tag)
+    def irecv(self, peer, buf, tag, op=None):
+        return _FakeRecv(self, peer, buf, tag, op)
 
     def close(self):
         pass

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from hetccl_ray.collective import plans
+from hetccl_ray.collective.reduction import combine
 from hetccl_ray.topology import Topology
 from tests.fakes import run_ranks
 
@@ -168,4 +169,4 @@ def test_lanes_capped():
 
 def test_unknown_op():
     with pytest.raises(ValueError, match="supported: sum, product, min, max"):
-        plans.combine(torch.zeros(1), torch.zeros(1), "avg")
+        combine(torch.zeros(1), torch.zeros(1), "avg")

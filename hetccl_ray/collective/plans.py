@@ -23,30 +23,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from hetccl_ray.collective.island import IslandComm
+from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology, split
 from hetccl_ray.transport.base import Border, Tag
 
 Span = tuple[int, int]
-
-
-def combine(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
-    """dst = dst (op) src, elementwise, in place, on the tensors' own device."""
-    if op == "sum":
-        dst.add_(src)
-    elif op == "product":
-        dst.mul_(src)
-    elif op == "min":
-        torch.minimum(dst, src, out=dst)
-    elif op == "max":
-        torch.maximum(dst, src, out=dst)
-    else:
-        raise ValueError(f"unsupported reduce op {op!r}; supported: sum, product, min, max")
 
 
 class ScratchPool:
@@ -89,9 +76,16 @@ class PlanContext:
         counts = [length for _, length in split(n, self.topo.lanes)]
         return counts + [0] * (self.my_island.size - self.topo.lanes)
 
-    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Post all receives and sends at once, then wait for all before the deadline."""
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 reduce_from: Optional[tuple[int, torch.Tensor, str]] = None) -> None:
+        """Post all receives and sends at once, then wait for all before the deadline.
+
+        ``reduce_from=(peer, buf, op)`` receives from one more peer, reducing into ``buf``
+        as the data arrives (one such peer per buffer: receptions run concurrently).
+        """
         handles = [self.border.irecv(peer, buf, self.tag) for peer, buf in recvs if buf.numel()]
+        if reduce_from is not None and reduce_from[1].numel():
+            handles.append(self.border.irecv(*reduce_from[:2], self.tag, op=reduce_from[2]))
         handles += [self.border.isend(peer, buf, self.tag) for peer, buf in sends if buf.numel()]
         for handle in handles:
             left = self.deadline - time.monotonic()
@@ -129,9 +123,10 @@ def _cross_allreduce(ctx: PlanContext, seg: torch.Tensor, op: str, peers: list[i
     subs = split(seg.numel(), len(peers))
     mine = _view(seg, subs[me])
     others = [i for i in range(len(peers)) if i != me]
-    partials = [ctx.scratch.get(i, mine.numel(), seg) for i in others]
+    partials = [ctx.scratch.get(i, mine.numel(), seg) for i in others[1:]]
     ctx.exchange(sends=[(peers[i], _view(seg, subs[i])) for i in others],
-                 recvs=[(peers[i], partial) for i, partial in zip(others, partials)])
+                 recvs=[(peers[i], partial) for i, partial in zip(others[1:], partials)],
+                 reduce_from=(peers[others[0]], mine, op))
     for partial in partials:
         combine(mine, partial, op)
     ctx.exchange(sends=[(peers[i], mine) for i in others],

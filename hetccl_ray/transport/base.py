@@ -66,8 +66,9 @@ class Border(Protocol):
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
         """Post a send of the contiguous tensor ``buf`` to ``peer``."""
 
-    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
-        """Post a receive from ``peer`` straight into the contiguous tensor ``buf``."""
+    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None) -> Handle:
+        """Post a receive from ``peer`` straight into the contiguous tensor ``buf``; with a
+        reduce ``op``, reduce what arrives into ``buf`` instead, piece by piece."""
 
     def close(self) -> None:
         """Close every connection and stop every thread."""

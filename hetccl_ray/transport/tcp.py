@@ -20,12 +20,14 @@ from typing import Optional
 
 import torch
 
+from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.transport.base import HEADER_SIZE, Handle, Tag
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
+REDUCE_CHUNK_BYTES = 256 << 10  # received partials are reduced in pieces that stay in cache
 _CHALLENGE = 16
 _RANK = struct.Struct("!I")
 _DIGEST = hashlib.sha256().digest_size
@@ -56,6 +58,7 @@ class _Link:
     def __init__(self, owner: "TcpBorder", peer: int, sock: socket.socket) -> None:
         self.owner, self.peer, self.sock = owner, peer, sock
         self.error: Optional[BaseException] = None
+        self.staging: Optional[torch.Tensor] = None
         self.sends: "queue.SimpleQueue" = queue.SimpleQueue()
         self.recvs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.threads = [
@@ -93,22 +96,38 @@ class _Link:
             self.sock.sendall(view[offset:offset + CHUNK_BYTES])
         self.owner.count(sent=len(view))
 
-    def _recv_one(self, tag: Tag, buf: torch.Tensor) -> None:
-        host = buf if buf.device.type == "cpu" else torch.empty_like(buf, device="cpu",
-                                                                     pin_memory=torch.cuda.is_available())
-        view = _byte_view(host)
+    def _recv_one(self, tag: Tag, buf: torch.Tensor, op: Optional[str]) -> None:
+        nbytes = buf.numel() * buf.element_size()
         raw = bytearray(HEADER_SIZE)
         _recv_exact(self.sock, memoryview(raw))
-        got, nbytes = Tag.parse(bytes(raw))
-        if got != tag or nbytes != len(view):
+        got, sent = Tag.parse(bytes(raw))
+        if got != tag or sent != nbytes:
             raise HetCCLMismatchError(
-                f"rank {self.owner.rank} expected {tag} with {len(view)} bytes from rank {self.peer}, "
-                f"got {got} with {nbytes} bytes"
+                f"rank {self.owner.rank} expected {tag} with {nbytes} bytes from rank {self.peer}, "
+                f"got {got} with {sent} bytes"
             )
-        _recv_exact(self.sock, view)
-        if host is not buf:
-            buf.copy_(host)
-        self.owner.count(received=len(view))
+        if op is None and buf.device.type == "cpu":
+            _recv_exact(self.sock, _byte_view(buf))
+        else:
+            self._recv_staged(buf, op)
+        self.owner.count(received=nbytes)
+
+    def _recv_staged(self, buf: torch.Tensor, op: Optional[str]) -> None:
+        """Receive through a small host buffer: reduce into ``buf`` (``op``) or copy to the device."""
+        flat = buf.reshape(-1)
+        step = max(REDUCE_CHUNK_BYTES // flat.element_size(), 1)
+        if self.staging is None or self.staging.numel() < step * flat.element_size():
+            self.staging = torch.empty(step * flat.element_size(), dtype=torch.uint8,
+                                       pin_memory=torch.cuda.is_available())
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
+            landing = self.staging[:piece.numel() * piece.element_size()]
+            _recv_exact(self.sock, memoryview(landing.numpy()))
+            received = landing.view(piece.dtype).to(piece.device, non_blocking=False)
+            if op is None:
+                piece.copy_(received)
+            else:
+                combine(piece, received, op)
 
     def close(self) -> None:
         for work in (self.sends, self.recvs):
@@ -164,9 +183,10 @@ class TcpBorder:
         self._link(peer, timeout_s).sends.put((tag, buf, handle))
         return handle
 
-    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0) -> Handle:
+    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None,
+              timeout_s: float = 60.0) -> Handle:
         handle = Handle(peer, "recv")
-        self._link(peer, timeout_s).recvs.put((tag, buf, handle))
+        self._link(peer, timeout_s).recvs.put((tag, buf, op, handle))
         return handle
 
     def _link(self, peer: int, timeout_s: float) -> _Link:
