@@ -7,6 +7,7 @@ are threads of one process. Group tests use the real parts on a real Ray cluster
 from __future__ import annotations
 
 import queue
+from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 from typing import Callable, Sequence
@@ -140,8 +141,9 @@ class FakeBorder:
 
 
 def run_ranks(island_of_rank: Sequence[str], body: Callable[[PlanContext], object],
-              max_lanes: int | None = None) -> tuple[list, list[FakeBorder]]:
-    """Run ``body(ctx)`` on one thread per rank; return each rank's result and border."""
+              max_lanes: int | None = None, piece_bytes: int | None = None) -> tuple[list, list[FakeBorder]]:
+    """Run ``body(ctx)`` on one thread per rank; return each rank's result and border.
+    With ``piece_bytes``, plans that pipeline do so in pieces of that size."""
     topo = Topology.from_islands(island_of_rank, max_lanes)
     n = topo.world_size
     hubs = {island.index: FakeIslandHub(island.size) for island in topo.islands}
@@ -154,6 +156,8 @@ def run_ranks(island_of_rank: Sequence[str], body: Callable[[PlanContext], objec
         island = topo.island_of(rank)
         ctx = PlanContext(topo, rank, FakeIsland(hubs[island.index], topo.local_rank(rank)),
                           borders[rank], Tag(1, 0, 0), deadline=time.monotonic() + 60)
+        if piece_bytes is not None:
+            ctx.pipeline, ctx.piece_bytes = ThreadPoolExecutor(1), piece_bytes
         try:
             results[rank] = body(ctx)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread

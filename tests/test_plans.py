@@ -159,6 +159,18 @@ def test_barrier(layout):
     assert results == list(range(len(LAYOUTS[layout])))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("piece_bytes", [8, 24, 800])
+def test_allreduce_pipelined_pieces(layout, piece_bytes):
+    islands = LAYOUTS[layout]
+    data = inputs(len(islands), 1001, seed=9)
+    results, borders = run_ranks(islands, lambda ctx: _allreduce(ctx, data[ctx.rank], "sum"),
+                                 piece_bytes=piece_bytes)
+    for got in results:
+        np.testing.assert_array_equal(got, data.sum(axis=0))
+    assert border_total(borders) == 2 * (len(set(islands)) - 1) * 1001 * 8
+
+
 def test_lanes_capped():
     data = inputs(4, 10)
     results, borders = run_ranks(LAYOUTS["2x2"], lambda ctx: _allreduce(ctx, data[ctx.rank], "sum"), max_lanes=1)

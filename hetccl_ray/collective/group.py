@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import ray
@@ -104,6 +105,7 @@ class HetCCLGroup(BaseGroup):
         self._p2p_seq: dict[tuple[str, int], int] = defaultdict(int)
         self._broken: Optional[BaseException] = None
         self._scratch = plans.ScratchPool()
+        self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-pipeline-{rank}")
         self._islands: dict[str, IslandComm] = {}
         self._sent_by_op: dict[str, int] = defaultdict(int)
         self.last_op_bytes_sent = 0
@@ -123,6 +125,7 @@ class HetCCLGroup(BaseGroup):
             records = self._rendezvous.wait([f"rank/{r}" for r in range(world_size)], deadline)
         except HetCCLTimeoutError as exc:
             self.border.close()
+            self._pipeline.shutdown()
             missing = sorted(int(key.split("/")[1]) for key in exc.missing)
             raise HetCCLTimeoutError(f"forming group '{group_name}' on rank {rank} timed out after "
                                      f"{self.options.timeout_s:.1f}s; ranks that did not arrive: {missing}") from None
@@ -191,7 +194,8 @@ class HetCCLGroup(BaseGroup):
             started, before = time.monotonic(), self.border.bytes_sent
             ctx = plans.PlanContext(self.topology, self.rank, self._island_for(device), self.border,
                                     Tag(_OP_CODES[op], seq, dtype_code(dtype)),
-                                    started + self.options.timeout_s, self._scratch)
+                                    started + self.options.timeout_s, self._scratch, self._pipeline,
+                                    self.options.piece_bytes)
             try:
                 return body(ctx)
             except (HetCCLError, RuntimeError) as exc:
@@ -326,6 +330,7 @@ class HetCCLGroup(BaseGroup):
         """Close the border, the island communicators and the progress thread; drop KV records."""
         self._progress.close()
         self.border.close()
+        self._pipeline.shutdown(wait=True, cancel_futures=True)
         for island in self._islands.values():
             island.close()
         self._islands.clear()

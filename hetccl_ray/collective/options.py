@@ -23,6 +23,8 @@ class GroupOptions:
     islands: group rank -> island name, overriding labels (``HETCCL_ISLAND`` per process).
     max_lanes: cap on cross-island lanes (``HETCCL_MAX_LANES``).
     bind_host: address border listeners bind to (``HETCCL_BIND_HOST``; default node IP).
+    piece_bytes: large allreduces go in pieces of this size, border stage of one piece
+        overlapping the island stages of the next (``HETCCL_PIECE_BYTES``).
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("HETCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
@@ -30,10 +32,13 @@ class GroupOptions:
     max_lanes: Optional[int] = field(default_factory=lambda: int(os.environ["HETCCL_MAX_LANES"])
                                      if os.environ.get("HETCCL_MAX_LANES") else None)
     bind_host: Optional[str] = field(default_factory=lambda: os.environ.get("HETCCL_BIND_HOST") or None)
+    piece_bytes: int = field(default_factory=lambda: int(_env_float("HETCCL_PIECE_BYTES", 4 << 20)))
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.piece_bytes < 1:
+            raise ValueError(f"piece_bytes must be >= 1, got {self.piece_bytes}")
         if self.max_lanes is not None and self.max_lanes < 1:
             raise ValueError(f"max_lanes must be >= 1, got {self.max_lanes}")
         self.islands = {int(rank): str(name) for rank, name in self.islands.items()}

@@ -22,6 +22,7 @@ out island by island (``Topology.island_major_order``).
 from __future__ import annotations
 
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -62,6 +63,8 @@ class PlanContext:
     tag: Tag
     deadline: float
     scratch: ScratchPool = field(default_factory=ScratchPool)
+    pipeline: Optional[Executor] = None  # one thread: border stages overlap island stages
+    piece_bytes: int = 4 << 20
 
     @property
     def my_island(self):
@@ -134,16 +137,46 @@ def _cross_allreduce(ctx: PlanContext, seg: torch.Tensor, op: str, peers: list[i
 
 
 def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
-    """Reduce-scatter to lane owners, allreduce across islands per lane, allgather back."""
+    """Reduce-scatter to lane owners, allreduce across islands per lane, allgather back.
+
+    Large buffers go in pieces of ``ctx.piece_bytes``: while piece i crosses the border
+    (on ``ctx.pipeline``), the island reduce-scatters piece i+1 and allgathers piece i-1.
+    """
     if len(ctx.topo.islands) == 1:
         ctx.island.allreduce(buf, op)
         return
-    counts = ctx.lane_counts(buf.numel())
-    ctx.island.reduce_scatter(buf, counts, op)
+    step = max(ctx.piece_bytes // buf.element_size(), 1)
+    pieces = [buf[start:start + step] for start in range(0, buf.numel(), step)]
+    if ctx.pipeline is None or len(pieces) == 1:
+        for piece in pieces:
+            ctx.island.reduce_scatter(piece, ctx.lane_counts(piece.numel()), op)
+            _lane_allreduce(ctx, piece, op)
+            ctx.island.allgather(piece, ctx.lane_counts(piece.numel()))
+        return
+    crossing: list[tuple[torch.Tensor, Future]] = []
+    for piece in pieces:
+        ctx.island.reduce_scatter(piece, ctx.lane_counts(piece.numel()), op)
+        crossing.append((piece, ctx.pipeline.submit(_lane_allreduce, ctx, piece, op)))
+        if len(crossing) > 1:
+            _finish_piece(ctx, *crossing.pop(0))
+    for done in crossing:
+        _finish_piece(ctx, *done)
+
+
+def _lane_allreduce(ctx: PlanContext, piece: torch.Tensor, op: str) -> None:
+    """Stage 2 for one piece: this rank's lane segment, allreduced across islands."""
     if ctx.lane is not None:
-        segment = _view(buf, split(buf.numel(), ctx.topo.lanes)[ctx.lane])
+        segment = _view(piece, split(piece.numel(), ctx.topo.lanes)[ctx.lane])
         _cross_allreduce(ctx, segment, op, ctx.topo.lane_peers(ctx.lane))
-    ctx.island.allgather(buf, counts)
+
+
+def _finish_piece(ctx: PlanContext, piece: torch.Tensor, crossed: Future) -> None:
+    """Stage 3 for one piece once its border stage is done: allgather inside the island."""
+    try:
+        crossed.result(timeout=max(ctx.deadline - time.monotonic(), 0.0))
+    except TimeoutError:
+        raise HetCCLTimeoutError("the border stage of a pipelined piece passed the deadline") from None
+    ctx.island.allgather(piece, ctx.lane_counts(piece.numel()))
 
 
 def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
