@@ -1,0 +1,105 @@
+"""hetccl-bench: the pure parts alone, then short real sweeps (local, shaped) and the notebook."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+from nbclient import NotebookClient
+
+from hetccl_ray import bench
+from hetccl_ray.local_cluster import island_names, parse_layout
+from hetccl_ray.shaped_cluster import ShapedCluster, ShapedClusterUnavailable, check_available
+from hetccl_ray.topology import Topology
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_sizes_and_layouts():
+    assert bench.sweep(8, 64, 2) == [8, 16, 32, 64]
+    assert bench.parse_size("64K") == 65536 and bench.parse_size("128M") == 128 << 20
+    assert parse_layout("2x2") == [2, 2] and parse_layout("1,2,3") == [1, 2, 3]
+    assert island_names([2, 2]) == ["island0", "island0", "island1", "island1"]
+    assert island_names([2, 2], interleave=True) == ["island0", "island1", "island0", "island1"]
+    with pytest.raises(ValueError):
+        parse_layout("0x2")
+
+
+def test_bus_factors_follow_nccl_tests():
+    assert bench.bus_factor("allreduce", 4) == 1.5
+    assert bench.bus_factor("allgather", 4) == 0.75 and bench.bus_factor("broadcast", 4) == 1.0
+
+
+def test_ring_model_of_gloo_border_bytes():
+    contiguous = ["a", "a", "b", "b"]
+    interleaved = ["a", "b", "a", "b"]
+    s = 1 << 20
+    assert bench.ring_border_bytes("allreduce", contiguous, s) == 2 * 1.5 * s   # 2 hops cross
+    assert bench.ring_border_bytes("allreduce", interleaved, s) == 4 * 1.5 * s  # every hop crosses
+    assert bench.hetccl_bound("allreduce", Topology.from_islands(contiguous), s) == 2 * s
+    assert bench.ring_border_bytes("allreduce", ["a"] * 4, s) == 0
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    csv = tmp_path_factory.mktemp("bench") / "out.csv"
+    frame = bench.main(["-o", "all", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
+                        "--vs", "gloo", "--layout", "1,2", "--csv", str(csv), "--no-progress"])
+    return frame, csv
+
+
+def test_local_sweep_is_correct_and_meets_the_border_bound(local_run):
+    frame, csv = local_run
+    assert set(frame["op"]) == set(bench.OPS) and set(frame["backend"]) == {"hetccl", "gloo"}
+    assert frame["wrong"].sum() == 0
+    hetccl = frame[frame["backend"] == "hetccl"]
+    assert (hetccl["border_bytes"] == hetccl["border_bound"]).all()
+    assert (frame["hetccl_vs_gloo"] > 0).all()
+    assert pd.read_csv(csv).shape == frame.shape
+
+
+def test_table_has_nccl_tests_columns(local_run):
+    table = bench.format_table(local_run[0])
+    for column in ("size", "count", "type", "redop", "root", "algbw", "busbw", "#wrong", "gloo/hetccl"):
+        assert column in table
+
+
+def test_shaped_cluster_refuses_clearly_without_iproute2(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ShapedClusterUnavailable, match="iproute2"):
+        check_available()
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+def test_shaped_link_limits_the_border_and_cleans_up():
+    try:
+        check_available()
+    except ShapedClusterUnavailable as why:
+        pytest.skip(f"needs root and iproute2 network namespaces: {why}")
+    islands = island_names([1, 1])
+    cluster = ShapedCluster(islands, "200mbit")
+    with cluster:
+        names = list(cluster.namespaces)
+        assert all(name in _namespaces() for name in names)
+        spec = bench.BenchSpec(["allreduce"], [4 << 20], iters=2, warmup=0)
+        frame = bench.run_sweep(cluster.workers(islands), islands, spec, progress=False)
+    assert frame["wrong"].sum() == 0
+    physical_s = (4 << 20) * 8 / 200e6   # S bytes each way over a 200 Mbit/s link
+    assert frame["time_us"].iloc[0] / 1e6 >= 0.9 * physical_s
+    assert not any(name in _namespaces() for name in names)
+
+
+@pytest.mark.slow
+def test_notebook_runs(tmp_path):
+    notebook = nbformat.read(REPO / "notebooks" / "bandwidth.ipynb", as_version=4)
+    os.environ.update(HETCCL_NB_MAX="256K", HETCCL_NB_RATE="500mbit", HETCCL_NB_PLOT=str(tmp_path / "bw.png"))
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    assert (tmp_path / "bw.png").stat().st_size > 10_000
