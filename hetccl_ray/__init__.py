@@ -11,6 +11,7 @@ import ray
 from ray.util.collective import backend_registry
 from ray.util.collective import collective as _ray_collective
 
+from hetccl_ray.collective import torch_backend
 from hetccl_ray.collective.group import BACKEND, HetCCLGroup
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.rendezvous import options_key, put_raw
@@ -21,13 +22,15 @@ from hetccl_ray.topology import ISLAND_LABEL, Topology
 __version__ = "0.1.0"
 __all__ = ["BACKEND", "GroupOptions", "HetCCLGroup", "HetCCLError", "HetCCLTimeoutError", "HetCCLPeerError",
            "HetCCLMismatchError", "HetCCLBrokenError", "ISLAND_LABEL", "Topology", "register", "setup_worker",
-           "set_group_options", "create_collective_group", "get_group", "border_stats"]
+           "set_group_options", "create_collective_group", "get_group", "get_torch_group", "border_stats"]
 
 
 def register() -> None:
-    """Register ``"hetccl"`` with Ray's collective backend registry; calling it again is harmless."""
+    """Register ``"hetccl"`` with Ray's collective backend registry and with torch.distributed;
+    calling it again is harmless."""
     if not backend_registry._global_registry.is_registered(BACKEND):
         backend_registry.register_collective_backend(BACKEND, HetCCLGroup)
+    torch_backend.register()
 
 
 def setup_worker() -> None:
@@ -81,6 +84,23 @@ def get_group(group_name: str = "default") -> HetCCLGroup:
     if not isinstance(group, HetCCLGroup):
         raise HetCCLError(f"group '{group_name}' is a {type(group).__name__}, not a hetccl group")
     return group
+
+
+def get_torch_group(group: Any = None) -> HetCCLGroup:
+    """The hetccl group behind a torch.distributed process group (default: the world)."""
+    import torch
+    import torch.distributed as dist
+
+    pg = group or dist.group.WORLD
+    candidates = [pg]
+    try:
+        candidates.append(pg._get_backend(torch.device("cpu")))
+    except (RuntimeError, AttributeError):
+        pass
+    for candidate in candidates:
+        if isinstance(candidate, torch_backend.HetCCLProcessGroup):
+            return candidate.group
+    raise HetCCLError(f"process group {pg} does not run on the hetccl backend")
 
 
 def border_stats(group_name: str = "default") -> dict[str, Any]:

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -27,7 +28,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
 from hetccl_ray.collective import plans
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
-from hetccl_ray.collective.rendezvous import Rendezvous, get_raw, options_key
+from hetccl_ray.collective.rendezvous import Rendezvous, StoreRendezvous, get_raw, options_key
 from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLMismatchError, HetCCLPeerError,
                                HetCCLTimeoutError)
@@ -61,6 +62,14 @@ def _generation(group_name: str) -> str:
         return ray.get_actor("info_" + group_name)._actor_id.hex()
     except ValueError:
         return "init"
+
+
+def _default_host() -> str:
+    """This host's address outside Ray: the one its hostname resolves to."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class _Progress:
@@ -97,9 +106,17 @@ class _Progress:
 class HetCCLGroup(BaseGroup):
     """A Ray collective group over vendor islands: ``backend="hetccl"``."""
 
-    def __init__(self, world_size: int, rank: int, group_name: str) -> None:
+    def __init__(self, world_size: int, rank: int, group_name: str, *, store: Optional[dist.Store] = None,
+                 options: Optional[GroupOptions] = None) -> None:
+        """Form the group. Ray's collective API passes the first three; torch.distributed's
+        backend passes its c10d ``store`` (records and island stores go there, not to Ray)."""
         super().__init__(world_size, rank, group_name)
-        self.options = GroupOptions.from_json(get_raw(options_key(group_name)))
+        in_ray = ray.is_initialized()
+        if store is None and not in_ray:
+            raise HetCCLError(f"group '{group_name}': a hetccl group forms through Ray (call it from a Ray "
+                              "actor) or through a torch.distributed store (init_process_group('hetccl'))")
+        self.options = options or (GroupOptions() if store is not None
+                                   else GroupOptions.from_json(get_raw(options_key(group_name))))
         self._lock = threading.Lock()
         self._seq = 0
         self._p2p_seq: dict[tuple[str, int], int] = defaultdict(int)
@@ -110,16 +127,21 @@ class HetCCLGroup(BaseGroup):
         self._sent_by_op: dict[str, int] = defaultdict(int)
         self.last_op_bytes_sent = 0
         deadline = time.monotonic() + self.options.timeout_s
-        self._rendezvous = Rendezvous(group_name, _generation(group_name))
-        host = self.options.bind_host or ray.util.get_node_ip_address()
+        if store is not None:
+            self._rendezvous: Rendezvous = StoreRendezvous(store, group_name)
+        else:
+            self._rendezvous = Rendezvous(group_name, _generation(group_name))
+        host = self.options.bind_host or (ray.util.get_node_ip_address() if in_ray else _default_host())
         self.border = TcpBorder(rank, host)
-        self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False) if rank == 0 else None
-        labels = ray.get_runtime_context().get_node_labels()
+        self._store = store
+        if store is None and rank == 0:
+            self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
+        labels = ray.get_runtime_context().get_node_labels() if in_ray else {}
         override = self.options.islands.get(rank) or os.environ.get("HETCCL_ISLAND")
         record = {"island": island_for(override, labels, _local_vendor()),
-                  "host": host, "port": self.border.address[1]}
-        if self._store is not None:
-            record.update(store_port=self._store.port, secret=secrets.token_hex(32))
+                  "host": host, "port": self.border.address[1], "world_size": world_size}
+        if rank == 0:
+            record.update(store_port=getattr(self._store, "port", 0), secret=secrets.token_hex(32))
         self._rendezvous.put(f"rank/{rank}", record)
         try:
             records = self._rendezvous.wait([f"rank/{r}" for r in range(world_size)], deadline)
@@ -130,6 +152,12 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLTimeoutError(f"forming group '{group_name}' on rank {rank} timed out after "
                                      f"{self.options.timeout_s:.1f}s; ranks that did not arrive: {missing}") from None
         records = [records[f"rank/{r}"] for r in range(world_size)]
+        disagree = {r: rec.get("world_size") for r, rec in enumerate(records) if rec.get("world_size") != world_size}
+        if disagree:
+            self.border.close()
+            self._pipeline.shutdown()
+            raise HetCCLMismatchError(f"forming group '{group_name}': rank {rank} has world_size {world_size} "
+                                      f"but ranks {sorted(disagree)} have {sorted(set(disagree.values()))}")
         self.topology = Topology.from_islands([rec["island"] for rec in records], self.options.max_lanes)
         self.border.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank},
                               bytes.fromhex(records[0]["secret"]))

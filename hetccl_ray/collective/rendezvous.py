@@ -30,21 +30,30 @@ def delete(key: str) -> None:
 
 
 class Rendezvous:
-    """Records of one group incarnation: ``{group}/{generation}/...`` keys holding JSON."""
+    """Records of one group incarnation: ``{group}/{generation}/...`` keys holding JSON.
+
+    Kept in Ray's internal KV; :class:`StoreRendezvous` keeps them in a torch c10d store.
+    """
 
     def __init__(self, group_name: str, generation: str) -> None:
         self.group_name = group_name
         self.prefix = f"{group_name}/{generation}/"
 
-    def put(self, key: str, value: dict) -> None:
-        put_raw(self.prefix + key, json.dumps(value).encode())
+    def _put(self, key: str, raw: bytes) -> None:
+        put_raw(key, raw)
 
-    def get(self, key: str) -> Optional[dict]:
-        raw = get_raw(self.prefix + key)
-        return json.loads(raw) if raw else None
+    def _get(self, key: str) -> Optional[bytes]:
+        return get_raw(key)
 
     def delete(self, key: str) -> None:
         delete(self.prefix + key)
+
+    def put(self, key: str, value: dict) -> None:
+        self._put(self.prefix + key, json.dumps(value).encode())
+
+    def get(self, key: str) -> Optional[dict]:
+        raw = self._get(self.prefix + key)
+        return json.loads(raw) if raw else None
 
     def wait(self, keys: Iterable[str], deadline: float) -> dict[str, dict]:
         """All ``keys``' records, or an error naming the ones missing at ``deadline``."""
@@ -64,3 +73,23 @@ class Rendezvous:
                 raise error
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+
+class StoreRendezvous(Rendezvous):
+    """The same records in the c10d store torch.distributed hands a backend."""
+
+    def __init__(self, store, group_name: str) -> None:
+        super().__init__(group_name, "store")
+        self.store = store
+
+    def _put(self, key: str, raw: bytes) -> None:
+        self.store.set(key, raw)
+
+    def _get(self, key: str) -> Optional[bytes]:
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.store.delete_key(self.prefix + key)
+        except RuntimeError:
+            pass  # the store's host may be gone already at shutdown

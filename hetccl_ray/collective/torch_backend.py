@@ -1,0 +1,223 @@
+"""torch.distributed backend ``"hetccl"``: the same group, islands, plans and border.
+
+``import hetccl_ray`` registers it, so ``dist.init_process_group("hetccl")`` and DDP/FSDP
+run unchanged on a mixed cluster. The c10d store torch hands the backend carries the
+rendezvous; islands come from the node labels when the process is a Ray worker, else from
+``HETCCL_ISLAND`` or the local tensor library. Ops run in order on one thread per process
+group, so every call returns an async Work whose ``wait()`` blocks until it is done.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from ray.util.collective.types import ReduceOp as RayReduceOp
+
+from hetccl_ray.collective.group import HetCCLGroup
+from hetccl_ray.collective.options import GroupOptions
+
+NAME = "hetccl"
+_REDUCE = {dist.ReduceOp.SUM: RayReduceOp.SUM, dist.ReduceOp.PRODUCT: RayReduceOp.PRODUCT,
+           dist.ReduceOp.MIN: RayReduceOp.MIN, dist.ReduceOp.MAX: RayReduceOp.MAX,
+           dist.ReduceOp.AVG: RayReduceOp.SUM}
+_SUPPORTED = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+              "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+              "reduce_scatter_tensor_coalesced", "all_gather_single", "reduce_scatter_single", "barrier", "send",
+              "recv")
+_count_lock = threading.Lock()
+_count = 0
+
+
+def _reduce_op(opts) -> tuple[SimpleNamespace, bool]:
+    """Ray-style options for the group, and whether to divide by world size (AVG)."""
+    op = opts.reduceOp.op if hasattr(opts.reduceOp, "op") else opts.reduceOp
+    if op not in _REDUCE:
+        raise ValueError(f"hetccl does not support reduce op {op}; supported: SUM, AVG, PRODUCT, MIN, MAX")
+    return SimpleNamespace(reduceOp=_REDUCE[op]), op == dist.ReduceOp.AVG
+
+
+class _Work(dist.Work):
+    """An op running on the process group's thread; ``wait`` raises what the op raised."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._future.wait()  # re-raises the op's exception
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class HetCCLProcessGroup(dist.ProcessGroup):
+    """A Python c10d process group running every op through :class:`HetCCLGroup`."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        if store is None:
+            raise ValueError("the hetccl backend needs the c10d store that init_process_group passes; got None")
+        super().__init__(rank, size)
+        global _count
+        with _count_lock:
+            _count += 1
+            name = f"torch-pg{_count}"
+        self.group = HetCCLGroup(size, rank, name, store=store,
+                                 options=GroupOptions(timeout_s=max(timeout.total_seconds(), 1.0)))
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-c10d-{rank}")
+        self._name = name
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def _set_group_name(self, name: str) -> None:
+        """c10d names the group after creating it; DeviceMesh (FSDP) looks groups up by name."""
+        self._name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _async(self, result: object, fn: Callable[[], None]) -> "dist.Work":
+        future: torch.futures.Future = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                fn()
+                future.set_result(result)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(exc)
+
+        self._worker.submit(run)
+        return _Work(future)
+
+    def _allreduce_list(self, tensors: Sequence[torch.Tensor], opts) -> None:
+        options, average = _reduce_op(opts)
+        for tensor in tensors:
+            self.group.allreduce(tensor, options)
+            if average:
+                tensor.div_(self.size())
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        return self._async(tensors, lambda: self._allreduce_list(tensors, opts))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+
+        def run() -> None:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self._allreduce_list([flat], opts)
+            offset = 0
+            for tensor in tensors:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+        return self._async(tensors, run)
+
+    def broadcast(self, tensors, opts=None):
+        root = (opts or dist.BroadcastOptions()).rootRank
+        return self._async(tensors, lambda: [self.group.broadcast(t, SimpleNamespace(root_rank=root))
+                                             for t in tensors])
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        options, average = _reduce_op(opts)
+        options.root_rank = opts.rootRank
+
+        def run() -> None:
+            for tensor in tensors:
+                self.group.reduce(tensor, options)
+                if average and self.rank() == opts.rootRank:
+                    tensor.div_(self.size())
+        return self._async(tensors, run)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._async(output_tensors, lambda: [self.group.allgather([out], inp)
+                                                    for out, inp in zip(output_tensors, input_tensors)])
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._async(output, lambda: self.group.allgather([list(output.chunk(self.size()))], input))
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._async(outputs, lambda: [self.group.allgather([list(out.chunk(self.size()))], inp)
+                                             for out, inp in zip(outputs, inputs)])
+
+    def _reduce_scatter_list(self, pairs, opts) -> None:
+        options, average = _reduce_op(opts or dist.ReduceScatterOptions())
+        for output, inputs in pairs:
+            self.group.reducescatter(output, [list(inputs)], options)
+            if average:
+                output.div_(self.size())
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        return self._async(output_tensors, lambda: self._reduce_scatter_list(zip(output_tensors, input_lists), opts))
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self._async(output, lambda: self._reduce_scatter_list([(output, input.chunk(self.size()))], opts))
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        pairs = [(out, inp.chunk(self.size())) for out, inp in zip(outputs, inputs)]
+        return self._async(outputs, lambda: self._reduce_scatter_list(pairs, opts))
+
+    def barrier(self, opts=None):
+        return self._async([], self.group.barrier)
+
+    def send(self, tensors, dst, tag=0):
+        return self._async(tensors, lambda: [self.group.send(t, SimpleNamespace(dst_rank=dst)) for t in tensors])
+
+    def recv(self, tensors, src, tag=0):
+        return self._async(tensors, lambda: [self.group.recv(t, SimpleNamespace(src_rank=src)) for t in tensors])
+
+    # torch.distributed's newer names for the same ops
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def _unsupported(self, op: str):
+        raise RuntimeError(f"the hetccl backend does not support {op}; supported: {', '.join(_SUPPORTED)}")
+
+    def alltoall(self, *args, **kwargs):
+        self._unsupported("alltoall")
+
+    def alltoall_base(self, *args, **kwargs):
+        self._unsupported("alltoall_base")
+
+    def all_to_all_single(self, *args, **kwargs):
+        self._unsupported("all_to_all_single")
+
+    def gather(self, *args, **kwargs):
+        self._unsupported("gather")
+
+    def scatter(self, *args, **kwargs):
+        self._unsupported("scatter")
+
+    def recv_anysource(self, *args, **kwargs):
+        self._unsupported("recv_anysource")
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.group.destroy_group()
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> HetCCLProcessGroup:
+    return HetCCLProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Register ``"hetccl"`` with torch.distributed; calling it again is harmless."""
+    if NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])

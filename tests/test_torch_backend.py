@@ -1,0 +1,89 @@
+"""torch.distributed backend "hetccl": DDP and FSDP unchanged, every op they use, bad use."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hetccl_ray
+from hetccl_ray.collective.torch_backend import HetCCLProcessGroup
+from tests import torch_workers as w
+
+ISLANDS = ["cpu-a", "cpu-a", "cpu-b"]  # 2 islands, 2+1 ranks
+TOL = dict(rtol=0, atol=1e-6)         # float32 sums in a different order
+
+
+def test_registered():
+    hetccl_ray.register()
+    assert "hetccl" in dist.Backend.backend_list
+
+
+def test_ddp_matches_single_process_and_gloo():
+    hetccl = w.run(w.ddp, ISLANDS, "hetccl")
+    gloo = w.run(w.ddp, ISLANDS, "gloo")
+    reference = w.single_process_reference(len(ISLANDS))
+    for rank in range(len(ISLANDS)):
+        for ours, theirs, ref in zip(hetccl[rank], gloo[rank], reference):
+            torch.testing.assert_close(ours, ref, **TOL)
+            torch.testing.assert_close(ours, theirs, **TOL)
+
+
+def test_fsdp_matches_gloo():
+    hetccl = w.run(w.fsdp, ISLANDS, "hetccl")
+    gloo = w.run(w.fsdp, ISLANDS, "gloo")
+    reference = w.single_process_reference(len(ISLANDS))
+    for ours, theirs, ref in zip(hetccl[0], gloo[0], reference):
+        torch.testing.assert_close(ours, theirs, **TOL)
+        torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_every_op_ddp_and_fsdp_use():
+    world = len(ISLANDS)
+    results = w.run(w.collectives, ISLANDS, "hetccl")
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out["all_reduce"], torch.full((5,), 6.0))
+        torch.testing.assert_close(out["avg"], torch.full((3,), 2.0))
+        torch.testing.assert_close(out["broadcast"], torch.full((4,), 1.0))
+        torch.testing.assert_close(out["all_gather_into_tensor"], torch.tensor([0., 0., 1., 1., 2., 2.]))
+        torch.testing.assert_close(out["all_gather"], torch.tensor([0., 0., 10., 10., 20., 20.]))
+        expect = sum(torch.arange(world * 2, dtype=torch.float32) + r for r in range(world))[2 * rank:2 * rank + 2]
+        torch.testing.assert_close(out["reduce_scatter_tensor"], expect)
+        assert out["async_ok"]
+        assert "does not support all_to_all_single" in out["alltoall"]
+    torch.testing.assert_close(results[-1]["recv"], torch.full((2,), 42.0))
+    torch.testing.assert_close(results[0]["subgroup"], torch.full((2,), 4.0))
+    torch.testing.assert_close(results[-1]["subgroup"], torch.full((2,), 4.0))
+
+
+def test_no_store_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs the c10d store"):
+        HetCCLProcessGroup(None, 0, 2, datetime.timedelta(seconds=5))
+
+
+def test_without_ray_or_store_is_a_clear_error():
+    with pytest.raises(hetccl_ray.HetCCLError, match="forms through Ray .* or through a torch.distributed store"):
+        hetccl_ray.HetCCLGroup(2, 0, "nowhere")
+
+
+def test_mismatched_world_size_is_a_clear_error():
+    store = dist.HashStore()
+    errors = {}
+
+    def form(rank: int, world: int) -> None:
+        try:
+            hetccl_ray.HetCCLGroup(world, rank, "mismatch", store=store,
+                                   options=hetccl_ray.GroupOptions(timeout_s=5))
+        except hetccl_ray.HetCCLError as exc:
+            errors[rank] = str(exc)
+
+    threads = [threading.Thread(target=form, args=(0, 2)), threading.Thread(target=form, args=(1, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert "world_size 2 but ranks [1] have [3]" in errors[0]
+    assert "rank 1 has world_size 3" in errors[1] or "did not arrive: [2]" in errors[1]

@@ -1,0 +1,161 @@
+"""Training runs in spawned processes, one per rank, for the torch.distributed backend tests."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEPS, BATCH, LR = 4, 8, 0.1
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def single_process_reference(world: int) -> list[torch.Tensor]:
+    """Plain SGD on the concatenation of every rank's batch: what DDP must reproduce."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        xs, ys = zip(*(batch(r, step) for r in range(world)))
+        loss = ((model(torch.cat(xs)) - torch.cat(ys)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train(model: nn.Module, params, rank: int) -> list[float]:
+    opt = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def ddp(rank: int, world: int) -> list[torch.Tensor]:
+    model = make_model()
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    _train(wrapped, wrapped.parameters(), rank)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def fsdp(rank: int, world: int) -> list[torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    _train(model, model.parameters(), rank)
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def collectives(rank: int, world: int) -> dict[str, Any]:
+    """Every op DDP/FSDP use, through the public torch.distributed API, plus a subgroup."""
+    out = {}
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    out["all_reduce"] = t
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["avg"] = t
+    t = torch.full((4,), float(rank)) if rank == 1 else torch.zeros(4)
+    dist.broadcast(t, src=1)
+    out["broadcast"] = t
+    gathered = torch.zeros(world * 2)
+    dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)))
+    out["all_gather_into_tensor"] = gathered
+    listed = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(listed, torch.full((2,), float(rank * 10)))
+    out["all_gather"] = torch.cat(listed)
+    shard = torch.zeros(2)
+    dist.reduce_scatter_tensor(shard, torch.arange(world * 2, dtype=torch.float32) + rank)
+    out["reduce_scatter_tensor"] = shard
+    work = dist.all_reduce(torch.ones(3), async_op=True)
+    work.wait()
+    out["async_ok"] = True
+    if rank == 0:
+        dist.send(torch.full((2,), 42.0), dst=world - 1)
+    elif rank == world - 1:
+        got = torch.zeros(2)
+        dist.recv(got, src=0)
+        out["recv"] = got
+    sub = dist.new_group([0, world - 1])
+    if rank in (0, world - 1):
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t, group=sub)
+        out["subgroup"] = t
+    dist.barrier()
+    try:
+        dist.all_to_all_single(torch.zeros(world), torch.zeros(world))
+        out["alltoall"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        out["alltoall"] = str(exc)
+    return out
+
+
+def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, island: str, queue) -> None:
+    os.environ["HETCCL_ISLAND"] = island
+    import hetccl_ray  # noqa: F401 - registers the "hetccl" torch backend
+
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        queue.put((rank, _map(fn(rank, world), lambda t: t.numpy() if isinstance(t, torch.Tensor) else t)))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        queue.put((rank, RuntimeError(f"{exc!r}\n{traceback.format_exc()}")))
+
+
+def run(fn: Callable, islands: list[str], backend: str, timeout_s: float = 180) -> list:
+    """``fn(rank, world)`` in one spawned process per rank, on ``backend``; results by rank."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, len(islands), port, backend, island, queue))
+             for r, island in enumerate(islands)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout_s) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    for rank, value in results.items():
+        if isinstance(value, BaseException):
+            raise RuntimeError(f"rank {rank} failed: {value!r}") from value
+    return [_map(results[r], lambda a: torch.from_numpy(a) if isinstance(a, np.ndarray) else a)
+            for r in range(len(islands))]
+
+
+def _map(value: Any, leaf: Callable) -> Any:
+    """Apply ``leaf`` through lists and dicts. Results cross the queue as numpy arrays:
+    a torch tensor would be shared through the sender's memory, gone once it exits."""
+    if isinstance(value, list):
+        return [_map(v, leaf) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(v, leaf) for k, v in value.items()}
+    return leaf(value)
