@@ -35,6 +35,7 @@ def train_loop(config: dict) -> None:
     group = hetccl_ray.get_torch_group()
     islands = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(islands, torch.tensor([float(group.island.index)]))
+    losses = []
     for step in range(config["steps"]):
         x = torch.randn(32, 16, generator=g)
         loss = ((model(x).squeeze(-1) - x @ true_w) ** 2).mean()
@@ -43,8 +44,19 @@ def train_loop(config: dict) -> None:
         opt.step()
         mean_loss = torch.tensor([loss.item()])
         dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-        ray.train.report({"step": step, "loss": mean_loss.item(), "island_of_rank": [int(i.item()) for i in islands],
-                          "islands": [i.name for i in group.topology.islands]})
+        losses.append(mean_loss.item())
+        if rank == 0:
+            print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
+        metrics = {"step": step, "loss": losses[-1], "losses": list(losses),
+                   "island_of_rank": [int(i.item()) for i in islands],
+                   "islands": [i.name for i in group.topology.islands]}
+        last = step == config["steps"] - 1
+        with tempfile.TemporaryDirectory() as folder:
+            # Ray Train keeps the metrics of reports that carry a checkpoint: the last one does
+            if last and rank == 0:
+                torch.save(model.module.state_dict(), f"{folder}/model.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(folder) if last and rank == 0 else None
+            ray.train.report(metrics, checkpoint=checkpoint)
 
 
 def fit(islands: list[str] = ISLANDS, steps: int = STEPS) -> "ray.train.Result":
@@ -52,7 +64,7 @@ def fit(islands: list[str] = ISLANDS, steps: int = STEPS) -> "ray.train.Result":
     trainer = TorchTrainer(
         train_loop, train_loop_config={"steps": steps},
         torch_config=HetCCLTorchConfig(timeout_s=120),
-        scaling_config=ScalingConfig(num_workers=len(islands), use_gpu=False, resources_per_worker={"CPU": 0},
+        scaling_config=ScalingConfig(num_workers=len(islands), use_gpu=False, resources_per_worker={"CPU": 0.4},
                                      label_selector=[{hetccl_ray.ISLAND_LABEL: name} for name in islands]),
         run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hetccl-train-")))
     return trainer.fit()
@@ -61,6 +73,5 @@ def fit(islands: list[str] = ISLANDS, steps: int = STEPS) -> "ray.train.Result":
 if __name__ == "__main__":
     with LocalCluster(ISLANDS):
         result = fit()
-    for row in result.metrics_dataframe.itertuples():
-        print(f"step {row.step:3d}  loss {row.loss:.4f}")
+    print("loss per step:", " ".join(f"{loss:.3f}" for loss in result.metrics["losses"]))
     print("islands:", result.metrics["islands"], "island of each rank:", result.metrics["island_of_rank"])
