@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import pandas as pd
 import ray
 import torch
@@ -97,7 +96,7 @@ _BOUND_TEXT = {"allreduce": "2(k-1)S", "reducescatter": "(k-1)S", "allgather": "
 
 # -- what each rank runs -------------------------------------------------------------------------
 
-def _buffers(op: str, count: int, world: int, rank: int, dtype: torch.dtype, fill: float) -> tuple:
+def _buffers(op: str, count: int, world: int, dtype: torch.dtype, fill: float) -> tuple:
     """Inputs/outputs for one op; ``count`` is elements of the whole buffer (nccl-tests' size)."""
     if op in ("allgather", "reducescatter"):
         per_rank = count // world
@@ -156,7 +155,7 @@ def rank_run(group: str, backend: str, op: str, count: int, dtype_name: str, war
              rank: int, world: int) -> dict:
     """In one actor: check one call, then time ``iters`` calls after ``warmup``."""
     dtype = getattr(torch, dtype_name)
-    x, chunks = _buffers(op, count, world, rank, dtype, rank + 1.0)
+    x, chunks = _buffers(op, count, world, dtype, rank + 1.0)
     step = _step(op, group, world, rank, x, chunks)
     col.barrier(group_name=group)
     sent_before = hetccl_ray.border_stats(group)["bytes_sent"] if backend == "hetccl" else 0
