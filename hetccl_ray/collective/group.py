@@ -228,6 +228,7 @@ class HetCCLGroup(BaseGroup):
                 return body(ctx)
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
+                self.border.close()  # peers blocked on this rank fail now, not at their deadline
                 raise self._broken from exc
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before
