@@ -239,17 +239,18 @@ class HetCCLGroup(BaseGroup):
         text = str(exc)
         if isinstance(exc, HetCCLMismatchError):
             return HetCCLMismatchError(f"{where}: mismatched call: {text}")
+        if peer is not None:
+            missing = [peer]
+        else:
+            self._progress.publish()
+            missing = [r for r in self._progress.behind(self.world_size, seq) if r != self.rank]
+        arrival = f"ranks that did not arrive: {missing}"
         if isinstance(exc, HetCCLTimeoutError) or "Timed out" in text or "timed out" in text:
-            if peer is not None:
-                missing = [peer]
-            else:
-                self._progress.publish()
-                missing = [r for r in self._progress.behind(self.world_size, seq) if r != self.rank]
             waiting = getattr(exc, "waiting_for", None)
             detail = f"; waiting for rank {waiting}" if waiting is not None else ""
-            return HetCCLTimeoutError(f"{where} timed out after {self.options.timeout_s:.1f}s; ranks that did "
-                                      f"not arrive: {missing}{detail} ({text})")
-        return HetCCLPeerError(f"{where} failed: {text}")
+            return HetCCLTimeoutError(f"{where} timed out after {self.options.timeout_s:.1f}s; {arrival}{detail} "
+                                      f"({text})")
+        return HetCCLPeerError(f"{where} failed: {text}; {arrival}")
 
     # -- argument checks -------------------------------------------------------------------------
 
