@@ -38,3 +38,8 @@ def seed_of(*parts) -> int:
     import zlib
 
     return zlib.crc32(repr(parts).encode())
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in DTYPES."""
+    return torch.tensor([], dtype=getattr(torch, dtype)).element_size()

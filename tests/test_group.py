@@ -16,7 +16,7 @@ from ray.util import collective as col
 
 import hetccl_ray
 from tests import cluster as test_cluster
-from tests.cases import DTYPES, REDUCE_OPS, SIZES, as_float, libs, make, seed_of, values
+from tests.cases import DTYPES, REDUCE_OPS, SIZES, as_float, itemsize, libs, make, seed_of, values
 
 # group name -> (actor picks as (island, index) in rank order)
 LAYOUTS = {
@@ -126,8 +126,8 @@ def test_allreduce_every_dtype_size_op(actors, name):
         expect = expect.astype(dtype).astype(np.float64) if dtype != "bfloat16" else expect
         for rank in range(world):
             np.testing.assert_array_equal(results[rank][key][0], expect, err_msg=f"{key} rank {rank}")
-        itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-        assert sum(results[r][key][1] for r in range(world)) == 2 * (k - 1) * n * itemsize, key
+        size = itemsize(dtype)
+        assert sum(results[r][key][1] for r in range(world)) == 2 * (k - 1) * n * size, key
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -136,7 +136,7 @@ def test_broadcast_and_reduce_every_root(actors, name):
     world, k = len(LAYOUTS[name]), ISLAND_COUNT[name]
     for key in results[0]:
         kind, dtype, n, root = key
-        itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        size = itemsize(dtype)
         if kind == "broadcast":
             for rank in range(world):
                 np.testing.assert_array_equal(results[rank][key][0], values(root, n, root))
@@ -146,7 +146,7 @@ def test_broadcast_and_reduce_every_root(actors, name):
             for rank in range(world):  # non-root inputs are left as they were
                 if rank != root:
                     np.testing.assert_array_equal(results[rank][key][0], values(rank, n, root + 50))
-        assert sum(results[r][key][1] for r in range(world)) == (k - 1) * n * itemsize, key
+        assert sum(results[r][key][1] for r in range(world)) == (k - 1) * n * size, key
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -155,14 +155,14 @@ def test_allgather_and_reducescatter(actors, name):
     world, k = len(LAYOUTS[name]), ISLAND_COUNT[name]
     for key in results[0]:
         kind, dtype, n = key
-        itemsize = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        size = itemsize(dtype)
         for rank in range(world):
             if kind == "allgather":
                 expect = np.stack([values(r, n, 7) for r in range(world)])
             else:
                 expect = np.sum([values(r * world + rank, n, 8) for r in range(world)], axis=0)
             np.testing.assert_array_equal(results[rank][key][0], expect, err_msg=f"{key} rank {rank}")
-        assert sum(results[r][key][1] for r in range(world)) == (k - 1) * world * n * itemsize, key
+        assert sum(results[r][key][1] for r in range(world)) == (k - 1) * world * n * size, key
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
