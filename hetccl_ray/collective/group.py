@@ -146,16 +146,14 @@ class HetCCLGroup(BaseGroup):
         try:
             records = self._rendezvous.wait([f"rank/{r}" for r in range(world_size)], deadline)
         except HetCCLTimeoutError as exc:
-            self.border.close()
-            self._pipeline.shutdown()
+            self._abandon()
             missing = sorted(int(key.split("/")[1]) for key in exc.missing)
             raise HetCCLTimeoutError(f"forming group '{group_name}' on rank {rank} timed out after "
                                      f"{self.options.timeout_s:.1f}s; ranks that did not arrive: {missing}") from None
         records = [records[f"rank/{r}"] for r in range(world_size)]
         disagree = {r: rec.get("world_size") for r, rec in enumerate(records) if rec.get("world_size") != world_size}
         if disagree:
-            self.border.close()
-            self._pipeline.shutdown()
+            self._abandon()
             raise HetCCLMismatchError(f"forming group '{group_name}': rank {rank} has world_size {world_size} "
                                       f"but ranks {sorted(disagree)} have {sorted(set(disagree.values()))}")
         self.topology = Topology.from_islands([rec["island"] for rec in records], self.options.max_lanes)
@@ -163,7 +161,7 @@ class HetCCLGroup(BaseGroup):
                               bytes.fromhex(records[0]["secret"]))
         self._store_address = (records[0]["host"], records[0]["store_port"])
         self._progress = _Progress(self._rendezvous, rank)
-        self._islands["cpu"] = self._make_island("cpu")
+        self._island_for(torch.device("cpu"))
         logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
 
     def __repr__(self) -> str:
@@ -183,8 +181,15 @@ class HetCCLGroup(BaseGroup):
         """This rank's island (name, index, ranks)."""
         return self.topology.island_of(self.rank)
 
+    def _abandon(self) -> None:
+        """Release what a group that failed to form had started."""
+        self.border.close()
+        self._pipeline.shutdown()
+
     def _make_island(self, device_type: str) -> IslandComm:
         island = self.island
+        if island.size == 1:  # a lone rank needs no store connection
+            return make_island(device_type, None, 0, 1, self.options.timeout_s)
         store = self._store or dist.TCPStore(*self._store_address, None, False,
                                              timeout=datetime.timedelta(seconds=self.options.timeout_s))
         self._store = store

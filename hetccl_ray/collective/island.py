@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -229,7 +229,7 @@ def nccl_available() -> bool:
         return False
 
 
-def make_island(device_type: str, store: "dist.Store", rank: int, size: int,
+def make_island(device_type: str, store: "Optional[dist.Store]", rank: int, size: int,
                 timeout_s: float, host: str = "") -> IslandComm:
     """The island communicator for tensors on ``device_type`` ("cpu" or "cuda")."""
     if size == 1:
