@@ -79,6 +79,10 @@ class PlanContext:
         counts = [length for _, length in split(n, self.topo.lanes)]
         return counts + [0] * (self.my_island.size - self.topo.lanes)
 
+    def lane_segment(self, buf: torch.Tensor) -> torch.Tensor:
+        """The part of a whole buffer that this rank carries across islands (it owns a lane)."""
+        return _view(buf, _lane_part((0, buf.numel()), self.topo.lanes, self.lane))
+
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
                  reduce_from: Optional[tuple[int, torch.Tensor, str]] = None) -> None:
         """Post all receives and sends at once, then wait for all before the deadline.
@@ -166,7 +170,7 @@ def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
 def _lane_allreduce(ctx: PlanContext, piece: torch.Tensor, op: str) -> None:
     """Stage 2 for one piece: this rank's lane segment, allreduced across islands."""
     if ctx.lane is not None:
-        segment = _view(piece, split(piece.numel(), ctx.topo.lanes)[ctx.lane])
+        segment = ctx.lane_segment(piece)
         _cross_allreduce(ctx, segment, op, ctx.topo.lane_peers(ctx.lane))
 
 
@@ -233,7 +237,7 @@ def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
     root_island = topo.island_of(root).index
     part = None
     if ctx.lane is not None:
-        part = _view(buf, _lane_part((0, buf.numel()), topo.lanes, ctx.lane))
+        part = ctx.lane_segment(buf)
     if isl.index == root_island:
         ctx.island.broadcast(buf, topo.local_rank(root))
         if part is not None:
@@ -256,7 +260,7 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
     ctx.island.reduce_scatter(buf, counts, op)
     if ctx.lane is not None:
         peers = topo.lane_peers(ctx.lane)
-        part = _view(buf, _lane_part((0, buf.numel()), topo.lanes, ctx.lane))
+        part = ctx.lane_segment(buf)
         if isl.index == root_island.index:
             others = [j for j in range(len(peers)) if j != isl.index]
             partials = [ctx.scratch.get(j, part.numel(), buf) for j in others]
