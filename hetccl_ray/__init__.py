@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 import ray
@@ -23,6 +24,8 @@ __version__ = "0.1.0"
 __all__ = ["BACKEND", "GroupOptions", "HetCCLGroup", "HetCCLError", "HetCCLTimeoutError", "HetCCLPeerError",
            "HetCCLMismatchError", "HetCCLBrokenError", "ISLAND_LABEL", "Topology", "register", "setup_worker",
            "set_group_options", "create_collective_group", "get_group", "get_torch_group", "border_stats"]
+
+_NAME_GRACE_S = 10.0
 
 
 def register() -> None:
@@ -53,6 +56,20 @@ def _register_in_actor(_instance: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def _wait_for_name(group_name: str, grace_s: float = _NAME_GRACE_S) -> None:
+    """A group destroyed a moment ago frees its name once Ray has killed its info actor."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            ray.get_actor("info_" + group_name)
+        except ValueError:
+            return
+        if time.monotonic() > deadline:
+            raise HetCCLError(f"group '{group_name}' still exists; call destroy_collective_group('{group_name}') "
+                              "in its ranks before creating it again")
+        time.sleep(0.1)
+
+
 def create_collective_group(actors: Sequence[Any], world_size: int, ranks: Sequence[int],
                             group_name: str = "default", options: Optional[GroupOptions] = None,
                             **fields: Any) -> None:
@@ -73,6 +90,7 @@ def create_collective_group(actors: Sequence[Any], world_size: int, ranks: Seque
         except Exception as exc:  # noqa: BLE001 - reported with the actor it came from
             raise HetCCLError(f"group '{group_name}': actor {i} (rank {ranks[i]}) cannot load hetccl_ray: "
                               f"{exc}") from exc
+    _wait_for_name(group_name)
     set_group_options(group_name, options)
     _ray_collective.create_collective_group(list(actors), world_size, list(ranks), backend="hetccl",
                                             group_name=group_name)

@@ -1,8 +1,12 @@
-"""What already holds of the reliability issue: strangers on the border port, dead peers."""
+"""Reliability and security on a real local Ray cluster: strangers on the border port, dead
+peers and re-created groups, mismatched calls, concurrent groups, bind address, secrets."""
 
 from __future__ import annotations
 
+import glob
+import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -15,11 +19,33 @@ from tests import cluster as test_cluster
 
 
 @pytest.fixture(scope="module")
-def actors():
-    cluster, actors = test_cluster.start({"a": 2, "b": 2})
-    yield actors
+def env():
+    cluster, actors = test_cluster.start({"a": 4, "b": 4})
+    yield cluster, actors
     test_cluster.stop(cluster)
 
+
+@pytest.fixture
+def actors(env):
+    return env[1]
+
+
+def _hetccl_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("hetccl"))
+
+
+def _allreduce_value(name, rank, n=1000):
+    x = np.full(n, rank + 1.0)
+    col.allreduce(x, group_name=name)
+    return x
+
+
+def _check_sum(results, world, n=1000):
+    for x in results:
+        np.testing.assert_array_equal(x, np.full(n, world * (world + 1) / 2))
+
+
+# -- strangers on the border port ----------------------------------------------------------------
 
 def _address(name, rank):
     col.barrier(group_name=name)
@@ -50,14 +76,151 @@ def test_stranger_with_wrong_secret_is_refused_and_the_collective_completes(acto
     assert results[3][1] >= 1
 
 
+# -- bind address and secrets --------------------------------------------------------------------
+
+def _border_facts(name, rank):
+    col.barrier(group_name=name)
+    group = hetccl_ray.get_group(name)
+    secret = group._rendezvous.get("rank/0")["secret"]
+    shown = " ".join([repr(group), repr(group.border), repr(group.options), str(group.border_stats())])
+    return group.border.address[0], ray.util.get_node_ip_address(), secret, secret in shown
+
+
+def test_listeners_bind_to_the_node_address_or_the_option_and_secrets_stay_hidden(env):
+    cluster, actors = env
+    group = [actors["a"][2], actors["b"][2]]
+    hetccl_ray.create_collective_group(group, 2, [0, 1], group_name="node-bound", timeout_s=30)
+    hetccl_ray.create_collective_group(group, 2, [0, 1], group_name="loop-bound", timeout_s=30,
+                                       bind_host="127.0.0.1")
+    by_node = ray.get([a.call.remote(_border_facts, "node-bound", r) for r, a in enumerate(group)])
+    by_option = ray.get([a.call.remote(_border_facts, "loop-bound", r) for r, a in enumerate(group)])
+    for bound, node_ip, _, shown in by_node:
+        assert bound == node_ip and bound not in ("0.0.0.0", "::")
+        assert not shown
+    for bound, _, _, shown in by_option:
+        assert bound == "127.0.0.1" and not shown
+    _check_sum(ray.get([a.call.remote(_allreduce_value, "loop-bound", r) for r, a in enumerate(group)]), 2)
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    secrets = {facts[2] for facts in by_node + by_option}
+    for path in glob.glob(os.path.join(logs, "*")):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                text = f.read()
+            assert not any(secret in text for secret in secrets), path
+
+
+# -- mismatched calls ----------------------------------------------------------------------------
+
+MISMATCHES = {
+    # case -> (what each rank calls, the ranks named as the odd ones, what they called)
+    "dtype": (lambda rank: ("allreduce", 100, np.float32 if rank == 3 else np.float64, 0), [3], "float32"),
+    "count": (lambda rank: ("allreduce", 101 if rank == 1 else 100, np.float64, 0), [1], "101 elements"),
+    "root": (lambda rank: ("broadcast", 100, np.float64, 1 if rank == 2 else 0), [2], "root 1"),
+    "op": (lambda rank: ("reduce" if rank == 0 else "allreduce", 100, np.float64, 0), [0], "reduce"),
+}
+
+
+def _mismatched_then_fine(name, rank, case):
+    op, n, dtype, root = MISMATCHES[case][0](rank)
+    x = np.ones(n, dtype=dtype)
+    try:
+        if op == "allreduce":
+            col.allreduce(x, group_name=name)
+        elif op == "broadcast":
+            col.broadcast(x, src_rank=root, group_name=name)
+        else:
+            col.reduce(x, dst_rank=root, group_name=name)
+        message = "no error"
+    except hetccl_ray.HetCCLMismatchError as exc:
+        message = str(exc)
+    return message, _allreduce_value(name, rank)
+
+
+@pytest.fixture(scope="module")
+def mixed(env):
+    actors = env[1]
+    group = actors["a"][:2] + actors["b"][:2]
+    hetccl_ray.create_collective_group(group, 4, [0, 1, 2, 3], group_name="mixed", timeout_s=30)
+    return group
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_mismatched_calls_raise_on_every_rank_naming_the_odd_ranks(mixed, case):
+    _, odd, what = MISMATCHES[case]
+    results = ray.get([a.call.remote(_mismatched_then_fine, "mixed", r, case) for r, a in enumerate(mixed)],
+                      timeout=60)
+    for rank, (message, after) in enumerate(results):
+        assert "mismatched call" in message and "in group 'mixed'" in message, message
+        assert f"ranks {odd} called " in message, message
+        odd_part = message.split(f"ranks {odd} called ")[1].split(";")[0]
+        assert what in odd_part, message
+        np.testing.assert_array_equal(after, np.full(1000, 10.0))  # the group is still usable
+
+
+# -- two groups at once on shared actors ---------------------------------------------------------
+
+def _concurrent_ops(rank_in, rounds):
+    """Run ``rounds`` allreduces on each group this actor belongs to, one thread per group."""
+    results, errors = {}, []
+
+    def work(name, rank):
+        try:
+            out = []
+            for i in range(rounds):
+                x = np.full(257 + 31 * i, (rank + 1.0) * (i + 1))
+                col.allreduce(x, group_name=name)
+                out.append(x)
+            results[name] = out
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors.append(f"{name}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=item) for item in rank_in.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return results, errors
+
+
+def test_two_groups_share_actors_without_cross_talk(actors):
+    left = [actors["a"][0], actors["a"][1], actors["b"][0], actors["b"][1]]      # 2+2 by labels
+    right = [actors["b"][1], actors["a"][2], actors["a"][0], actors["b"][2]]     # 1+2+1 by override
+    hetccl_ray.create_collective_group(left, 4, [0, 1, 2, 3], group_name="left", timeout_s=30)
+    hetccl_ray.create_collective_group(right, 4, [0, 1, 2, 3], group_name="right", timeout_s=30,
+                                       islands={0: "x", 1: "y", 2: "y", 3: "z"})
+    for name, group in (("left", left), ("right", right)):   # Ray forms groups under one lock per
+        ray.get([a.call.remote(_address, name, r) for r, a in enumerate(group)])  # process: form them in turn
+    everyone = list(dict.fromkeys(left + right))
+    ranks = [{name: group.index(a) for name, group in (("left", left), ("right", right)) if a in group}
+             for a in everyone]
+    rounds = 20
+    outcomes = ray.get([a.call.remote(_concurrent_ops, r, rounds) for a, r in zip(everyone, ranks)], timeout=300)
+    for (results, errors), rank_in in zip(outcomes, ranks):
+        assert not errors, errors
+        assert set(results) == set(rank_in)
+        for out in results.values():
+            for i, x in enumerate(out):
+                np.testing.assert_array_equal(x, np.full(257 + 31 * i, 10.0 * (i + 1)))
+    ray.get([a.call.remote(lambda: col.destroy_collective_group("left")) for a in left])
+    _check_sum(ray.get([a.call.remote(_allreduce_value, "right", r) for r, a in enumerate(right)]), 4)
+
+
+# -- a dead peer, then the group re-created ------------------------------------------------------
+
 def _allreduce_expecting_failure(name, rank):
     col.barrier(group_name=name)
     started = time.monotonic()
     try:
         col.allreduce(np.ones(1 << 16), group_name=name)
-        return "no error", 0.0
+        return "no error", 0.0, ""
     except hetccl_ray.HetCCLError as exc:
-        return str(exc), time.monotonic() - started
+        failure, elapsed = str(exc), time.monotonic() - started
+    try:
+        col.allreduce(np.ones(4), group_name=name)
+        later = "no error"
+    except hetccl_ray.HetCCLBrokenError as exc:
+        later = str(exc)
+    return failure, elapsed, later
 
 
 def _block_forever(name, rank):
@@ -65,18 +228,60 @@ def _block_forever(name, rank):
     time.sleep(3600)
 
 
-def test_dead_peer_fails_the_others_within_the_deadline(actors):
-    group = [actors["a"][0], actors["b"][0], actors["b"][1]]
+def _destroy(name):
+    col.destroy_collective_group(name)
+    deadline = time.monotonic() + 10
+    while _hetccl_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _hetccl_threads()
+
+
+def test_dead_peer_fails_the_others_and_the_group_is_recreated(env):
+    cluster, actors = env
+    survivors = [actors["a"][3], actors["b"][3]]
+    victim = cluster.workers(["b"])[0]
+    group = survivors + [victim]
     hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name="mortal", timeout_s=20)
-    victim = group[2]
     victim.call.remote(_block_forever, "mortal", 2)
-    refs = [a.call.remote(_allreduce_expecting_failure, "mortal", r) for r, a in enumerate(group[:2])]
+    refs = [a.call.remote(_allreduce_expecting_failure, "mortal", r) for r, a in enumerate(survivors)]
     time.sleep(3)
     ray.kill(victim)
     results = ray.get(refs, timeout=60)
-    for message, elapsed in results:
+    for message, elapsed, later in results:
         assert message != "no error"
         assert elapsed < 3 + 10, message  # the kill comes 3 s in; far inside the 20 s deadline
         assert "allreduce #2 in group 'mortal'" in message, message
+        assert "ranks that did not arrive: [2]" in message, message
+        assert "is broken by an earlier failure" in later and "allreduce #2" in later, later
     assert "Connection closed by peer" in results[1][0]            # rank 1 shares the dead rank's island
     assert "rank 0 <-> rank 1 failed" in results[0][0]              # rank 0 hears it from its lane peer
+
+    leftover = ray.get([a.call.remote(_destroy, "mortal") for a in survivors], timeout=60)
+    assert leftover == [[], []]                                     # no thread left behind
+    newcomer = cluster.workers(["b"])[0]
+    group = [survivors[1], newcomer, survivors[0]]                  # new ranks, too
+    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name="mortal", timeout_s=20)
+    _check_sum(ray.get([a.call.remote(_allreduce_value, "mortal", r) for r, a in enumerate(group)]), 3)
+
+
+# -- a tensor over 2 GiB across the border -------------------------------------------------------
+
+def _big_allreduce(name, rank, n):
+    x = np.resize(np.arange(256, dtype=np.uint8), n) + np.uint8(rank)   # uint8 wraps like the reduction
+    col.allreduce(x, group_name=name)
+    step = 1 << 26
+    for start in range(0, n, step):
+        expected = ((np.arange(start, min(start + step, n)) * 2 + 1) % 256).astype(np.uint8)
+        if not np.array_equal(x[start:start + step], expected):
+            return f"wrong at [{start}, {start + step})"
+    return hetccl_ray.border_stats(name)["last_op_bytes_sent"]
+
+
+@pytest.mark.slow
+def test_tensor_over_2_gib_crosses_the_border(actors):
+    group = [actors["a"][2], actors["b"][2]]
+    hetccl_ray.create_collective_group(group, 2, [0, 1], group_name="big", timeout_s=300)
+    n = (2 << 30) + 4099
+    sent = ray.get([a.call.remote(_big_allreduce, "big", r, n) for r, a in enumerate(group)], timeout=600)
+    assert sent == [n, n]                                           # each sends its whole partial once
+    ray.get([a.call.remote(lambda: col.destroy_collective_group("big")) for a in group])

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import ray
@@ -26,6 +27,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
 from hetccl_ray.collective import plans
+from hetccl_ray.collective.calls import OP_CODES, Call, disagreement
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.rendezvous import Rendezvous, StoreRendezvous, get_raw, options_key
@@ -40,9 +42,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "HETCCL"
 _RAY_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "product", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
-_OP_CODES = {name: code for code, name in enumerate(
-    ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "barrier", "send"), start=1)}
-_OP_CODES["recv"] = _OP_CODES["send"]  # the two ends of one message carry the same tag
 _PROGRESS_PERIOD_S = 0.1
 
 
@@ -210,8 +209,11 @@ class HetCCLGroup(BaseGroup):
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
-    def _run(self, op: str, device: torch.device, dtype: torch.dtype, body: Callable[[plans.PlanContext], Any],
+    def _run(self, call: Call, device: torch.device, body: Optional[Callable[[plans.PlanContext], Any]],
              peer: Optional[int] = None) -> Any:
+        """Run one op's plan ``body`` (None: nothing to move) under the group's sequence
+        number, deadline and error state; collectives first check that every rank made
+        the same ``call``."""
         with self._lock:
             if self._broken is not None:
                 raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
@@ -221,23 +223,39 @@ class HetCCLGroup(BaseGroup):
                 seq = self._seq
                 self._progress.seq = seq
             else:
-                self._p2p_seq[op, peer] += 1
-                seq = self._p2p_seq[op, peer]
-            where = f"{op} #{seq} in group '{self.group_name}' on rank {self.rank}"
+                self._p2p_seq[call.op, peer] += 1
+                seq = self._p2p_seq[call.op, peer]
+            where = f"{call.op} #{seq} in group '{self.group_name}' on rank {self.rank}"
             started, before = time.monotonic(), self.border.bytes_sent
             ctx = plans.PlanContext(self.topology, self.rank, self._island_for(device), self.border,
-                                    Tag(_OP_CODES[op], seq, dtype_code(dtype)),
+                                    Tag(OP_CODES[call.op], seq, dtype_code(call.dtype)),
                                     started + self.options.timeout_s, self._scratch, self._pipeline,
                                     self.options.piece_bytes)
             try:
-                return body(ctx)
+                problem = self._disagreement(ctx, replace(call, seq=seq)) if peer is None else None
+                before = self.border.bytes_sent  # the check's bytes are counted as "check"
+                if problem is None:
+                    return body(ctx) if body is not None else None
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
                 raise self._broken from exc
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before
-                self._sent_by_op[op] += self.last_op_bytes_sent
+                self._sent_by_op[call.op] += self.last_op_bytes_sent
+            # every rank saw every call and no data moved: the group stays usable
+            raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
+
+    def _disagreement(self, ctx: plans.PlanContext, call: Call) -> Optional[str]:
+        """Which ranks called what, if they did not all make ``call`` (``check_calls``)."""
+        if not self.options.check_calls or self.world_size == 1:
+            return None
+        check = replace(ctx, island=self._island_for(torch.device("cpu")),
+                        tag=Tag(OP_CODES["check"], call.seq, dtype_code(torch.int64)))
+        before = self.border.bytes_sent
+        rows = plans.gather_rows(check, call.encode())
+        self._sent_by_op["check"] += self.border.bytes_sent - before
+        return disagreement([Call.decode(row) for row in rows])
 
     def _explain(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
         """The error to raise: what failed, where, and which ranks did not arrive."""
@@ -293,28 +311,28 @@ class HetCCLGroup(BaseGroup):
     def allreduce(self, tensor: Any, allreduce_options: Any = AllReduceOptions()) -> None:
         x = Operand(self._one(tensor, "allreduce"))
         op = self._reduce_op(allreduce_options)
-        if x.numel:
-            self._run("allreduce", x.flat.device, x.flat.dtype, lambda ctx: plans.allreduce(ctx, x.flat, op))
+        self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat.device,
+                  (lambda ctx: plans.allreduce(ctx, x.flat, op)) if x.numel else None)
         x.write_back()
 
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
-        self._run("barrier", torch.device("cpu"), torch.uint8, plans.barrier)
+        self._run(Call("barrier", torch.uint8, 0), torch.device("cpu"), plans.barrier)
 
     def reduce(self, tensor: Any, reduce_options: Any = ReduceOptions()) -> None:
         x = Operand(self._one(tensor, "reduce"))
         root = self._rank_arg(reduce_options.root_rank, "reduce root")
         op = self._reduce_op(reduce_options)
         work = x.flat if self.rank == root else x.flat.clone()
-        if x.numel:
-            self._run("reduce", x.flat.device, x.flat.dtype, lambda ctx: plans.reduce(ctx, work, root, op))
+        self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat.device,
+                  (lambda ctx: plans.reduce(ctx, work, root, op)) if x.numel else None)
         if self.rank == root:
             x.write_back()
 
     def broadcast(self, tensor: Any, broadcast_options: Any = BroadcastOptions()) -> None:
         x = Operand(self._one(tensor, "broadcast"))
         root = self._rank_arg(broadcast_options.root_rank, "broadcast root")
-        if x.numel:
-            self._run("broadcast", x.flat.device, x.flat.dtype, lambda ctx: plans.broadcast(ctx, x.flat, root))
+        self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat.device,
+                  (lambda ctx: plans.broadcast(ctx, x.flat, root)) if x.numel else None)
         x.write_back()
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
@@ -325,8 +343,7 @@ class HetCCLGroup(BaseGroup):
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
         slot = order.index(self.rank)
         buf[slot * n:(slot + 1) * n].copy_(x.flat)
-        if n:
-            self._run("allgather", x.flat.device, x.flat.dtype, lambda ctx: plans.allgather(ctx, buf))
+        self._run(Call("allgather", x.flat.dtype, n), x.flat.device, (lambda ctx: plans.allgather(ctx, buf)) if n else None)
         for slot, rank in enumerate(order):
             outputs[rank].flat.copy_(buf[slot * n:(slot + 1) * n])
             outputs[rank].write_back()
@@ -341,10 +358,8 @@ class HetCCLGroup(BaseGroup):
         buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
         for slot, rank in enumerate(order):
             buf[slot * n:(slot + 1) * n].copy_(inputs[rank].flat)
-        if n:
-            result = self._run("reducescatter", out.flat.device, out.flat.dtype,
-                               lambda ctx: plans.reducescatter(ctx, buf, op))
-            out.flat.copy_(result)
+        self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat.device,
+                  (lambda ctx: out.flat.copy_(plans.reducescatter(ctx, buf, op))) if n else None)
         out.write_back()
 
     def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> Operand:
@@ -352,7 +367,7 @@ class HetCCLGroup(BaseGroup):
         peer = self._rank_arg(peer, f"{op} peer")
         if peer == self.rank:
             raise ValueError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
-        self._run(op, x.flat.device, x.flat.dtype, lambda ctx: plan(ctx, x.flat, peer), peer=peer)
+        self._run(Call(op, x.flat.dtype, x.numel), x.flat.device, lambda ctx: plan(ctx, x.flat, peer), peer=peer)
         return x
 
     def send(self, tensor: Any, send_options: Any) -> None:

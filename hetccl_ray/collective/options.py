@@ -25,6 +25,9 @@ class GroupOptions:
     bind_host: address border listeners bind to (``HETCCL_BIND_HOST``; default node IP).
     piece_bytes: large allreduces go in pieces of this size, border stage of one piece
         overlapping the island stages of the next (``HETCCL_PIECE_BYTES``).
+    check_calls: before each collective, ranks compare what they called (op, dtype, count,
+        root, reduce op) in one tiny allgather and raise on a mismatch, naming the ranks
+        (``HETCCL_CHECK_CALLS=0`` turns it off to save that latency).
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("HETCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
@@ -33,6 +36,7 @@ class GroupOptions:
                                      if os.environ.get("HETCCL_MAX_LANES") else None)
     bind_host: Optional[str] = field(default_factory=lambda: os.environ.get("HETCCL_BIND_HOST") or None)
     piece_bytes: int = field(default_factory=lambda: int(_env_float("HETCCL_PIECE_BYTES", 4 << 20)))
+    check_calls: bool = field(default_factory=lambda: os.environ.get("HETCCL_CHECK_CALLS", "1") != "0")
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -273,6 +273,20 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
         ctx.island.gather(buf, counts, topo.local_rank(root))
 
 
+def gather_rows(ctx: PlanContext, row: Sequence[int]) -> list[list[int]]:
+    """Every rank's row of small integers on every rank, by group rank: one tiny allgather."""
+    topo, width = ctx.topo, len(row)
+    order = topo.island_major_order()
+    if topo.world_size == 1:
+        return [list(row)]
+    buf = torch.zeros(width * topo.world_size, dtype=torch.int64)
+    slot = order.index(ctx.rank)
+    buf[slot * width:(slot + 1) * width] = torch.tensor(row, dtype=torch.int64)
+    allgather(ctx, buf)
+    rows = buf.view(-1, width).tolist()
+    return [rows[order.index(rank)] for rank in range(topo.world_size)]
+
+
 def barrier(ctx: PlanContext) -> None:
     """Island barrier, a token between the lane-0 owners of all islands, island barrier."""
     ctx.island.barrier()
