@@ -151,6 +151,12 @@ def _wrong(op: str, world: int, rank: int, x: torch.Tensor, chunks, step) -> int
     return int(sum((g.to(torch.float64) != w).sum().item() for g, w in zip(got, want)))
 
 
+def _data_bytes_sent(group: str) -> int:
+    """Border bytes this rank sent for data, leaving out the tiny call checks."""
+    stats = hetccl_ray.border_stats(group)
+    return stats["bytes_sent"] - stats["per_op"].get("check", 0)
+
+
 def rank_run(group: str, backend: str, op: str, count: int, dtype_name: str, warmup: int, iters: int,
              rank: int, world: int) -> dict:
     """In one actor: check one call, then time ``iters`` calls after ``warmup``."""
@@ -158,10 +164,10 @@ def rank_run(group: str, backend: str, op: str, count: int, dtype_name: str, war
     x, chunks = _buffers(op, count, world, dtype, rank + 1.0)
     step = _step(op, group, world, rank, x, chunks)
     col.barrier(group_name=group)
-    sent_before = hetccl_ray.border_stats(group)["bytes_sent"] if backend == "hetccl" else 0
+    sent_before = _data_bytes_sent(group) if backend == "hetccl" else 0
     step()
     wrong = _wrong(op, world, rank, x, chunks, step)
-    border = hetccl_ray.border_stats(group)["bytes_sent"] - sent_before if backend == "hetccl" else None
+    border = _data_bytes_sent(group) - sent_before if backend == "hetccl" else None
     for _ in range(warmup):
         step()
     col.barrier(group_name=group)
