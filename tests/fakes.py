@@ -141,14 +141,16 @@ class FakeBorder:
 
 
 def run_ranks(island_of_rank: Sequence[str], body: Callable[[PlanContext], object],
-              max_lanes: int | None = None, piece_bytes: int | None = None) -> tuple[list, list[FakeBorder]]:
+              max_lanes: int | None = None, piece_bytes: int | None = None,
+              borders: Sequence | None = None) -> tuple[list, list]:
     """Run ``body(ctx)`` on one thread per rank; return each rank's result and border.
-    With ``piece_bytes``, plans that pipeline do so in pieces of that size."""
+    With ``piece_bytes``, plans that pipeline do so in pieces of that size; ``borders``
+    (one per rank) replaces the FAKE border, e.g. with an RDMA border on a FAKE NIC."""
     topo = Topology.from_islands(island_of_rank, max_lanes)
     n = topo.world_size
     hubs = {island.index: FakeIslandHub(island.size) for island in topo.islands}
     wires = {(a, b): queue.SimpleQueue() for a in range(n) for b in range(n)}
-    borders = [FakeBorder(wires, r) for r in range(n)]
+    borders = list(borders) if borders is not None else [FakeBorder(wires, r) for r in range(n)]
     results: list = [None] * n
     errors: list = []
 
