@@ -26,6 +26,7 @@ from ray.util import collective as col
 
 import hetccl_ray
 from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, place_workers
+from hetccl_ray.transport.choice import TRANSPORTS
 from hetccl_ray.topology import ISLAND_LABEL, Topology
 
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv")
@@ -210,15 +211,27 @@ class _Progress:
         sys.stderr.flush()
 
 
+def lane_transports(group: str, rank: int) -> list[str]:
+    """In one actor: the transport to each lane peer of this rank, and why."""
+    choices = hetccl_ray.get_group(group).lane_transports()
+    return [f"rank {rank}->{peer} {choice.transport} ({choice.why})" for peer, choice in choices.items()]
+
+
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,
-              timeout_s: float = 120.0) -> pd.DataFrame:
-    """Form the groups on ``actors`` and run the sweep; one row per (op, size, backend)."""
+              timeout_s: float = 120.0, transport: str = "auto") -> pd.DataFrame:
+    """Form the groups on ``actors`` and run the sweep; one row per (op, size, backend).
+    ``frame.attrs["lanes"]`` says which transport each lane took."""
     world = len(actors)
     topo = Topology.from_islands(island_of_rank)
     stamp = f"{time.time_ns():x}"
     groups = {"hetccl": f"bench-hetccl-{stamp}"}
     hetccl_ray.create_collective_group(actors, world, list(range(world)), group_name=groups["hetccl"],
-                                       timeout_s=timeout_s)
+                                       timeout_s=timeout_s, transport=transport)
+    per_rank = ray.get([a.call.remote(lane_transports, groups["hetccl"], r) for r, a in enumerate(actors)],
+                       timeout=max(timeout_s, 60))  # also forms the group on every rank
+    first = topo.islands[0].ranks
+    lanes = [f"lane {lane}: " + "; ".join(per_rank[first[lane]]) for lane in range(topo.lanes)
+             if len(topo.islands) > 1]
     if spec.vs_gloo:
         groups["gloo"] = f"bench-gloo-{stamp}"
         col.create_collective_group(list(actors), world, list(range(world)), backend="gloo",
@@ -247,6 +260,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                              "border_bound": hetccl_bound(op, topo, nbytes)})
                 bar.step(f"{op} {nbytes} B {backend}")
     frame = pd.DataFrame(rows)
+    frame.attrs["lanes"] = lanes
     if spec.vs_gloo:
         wide = frame.pivot_table(index=["op", "size"], columns="backend", values="time_us")
         frame["hetccl_vs_gloo"] = frame.apply(
@@ -294,6 +308,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=5)
     p.add_argument("--layout", default="2x2", help="islands: '2x2' (2 islands of 2), '1,2,3', '4'")
     p.add_argument("--interleave", action="store_true", help="deal ranks to islands round-robin")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="border transport: auto (RDMA where both ends have a port, else TCP), tcp, rdma")
     p.add_argument("--address", default=None, help="a running Ray cluster whose nodes carry hetccl.io/island")
     p.add_argument("--vs", choices=["gloo"], default=None, help="also run Ray's own backend, side by side")
     p.add_argument("--link-rate", default=None,
@@ -344,18 +360,21 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
     else:
         cluster = LocalCluster(islands)
     header = (f"# hetccl-bench  layout {args.layout}{' interleaved' if args.interleave else ''}  "
-              f"islands by rank {islands}  link {args.link_rate or 'unshaped'}  transport tcp  "
+              f"islands by rank {islands}  link {args.link_rate or 'unshaped'}  transport {args.transport}  "
               f"type {spec.dtype}  warmup {spec.warmup}  iters {spec.iters}")
     if cluster is None:
         actors = place_workers(islands)
-        frame = run_sweep(actors, islands, spec, not args.no_progress, args.timeout)
+        frame = run_sweep(actors, islands, spec, not args.no_progress, args.timeout, args.transport)
     else:
         with cluster:
-            frame = run_sweep(cluster.workers(islands), islands, spec, not args.no_progress, args.timeout)
+            frame = run_sweep(cluster.workers(islands), islands, spec, not args.no_progress, args.timeout,
+                              args.transport)
     frame["layout"] = args.layout + ("i" if args.interleave else "")
     frame["link_rate"] = args.link_rate or "unshaped"
     print(header)
     print(Topology.from_islands(islands).describe())
+    for lane in frame.attrs.get("lanes", []):
+        print(f"# {lane}")
     print(format_table(frame))
     if args.csv:
         frame.to_csv(args.csv, index=False)

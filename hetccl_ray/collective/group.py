@@ -35,7 +35,11 @@ from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLMismatchError, HetCCLPeerError,
                                HetCCLTimeoutError)
 from hetccl_ray.topology import Topology, island_for
+from hetccl_ray.transport import verbs
 from hetccl_ray.transport.base import Tag
+from hetccl_ray.transport.choice import Choice, choose
+from hetccl_ray.transport.rdma import RdmaBorder
+from hetccl_ray.transport.routed import RoutedBorder
 from hetccl_ray.transport.tcp import TcpBorder
 
 logger = logging.getLogger(__name__)
@@ -131,14 +135,16 @@ class HetCCLGroup(BaseGroup):
         else:
             self._rendezvous = Rendezvous(group_name, _generation(group_name))
         host = self.options.bind_host or (ray.util.get_node_ip_address() if in_ray else _default_host())
-        self.border = TcpBorder(rank, host)
+        self.border: Any = TcpBorder(rank, host)
         self._store = store
         if store is None and rank == 0:
             self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
         labels = ray.get_runtime_context().get_node_labels() if in_ray else {}
         override = self.options.islands.get(rank) or os.environ.get("HETCCL_ISLAND")
-        record = {"island": island_for(override, labels, _local_vendor()),
-                  "host": host, "port": self.border.address[1], "world_size": world_size}
+        found = (verbs.discover() if self.options.transport != "tcp"
+                 else verbs.Discovery((), "transport='tcp' was asked for"))
+        record = {"island": island_for(override, labels, _local_vendor()), "host": host,
+                  "port": self.border.address[1], "world_size": world_size, "rdma": found.to_record()}
         if rank == 0:
             record.update(store_port=getattr(self._store, "port", 0), secret=secrets.token_hex(32))
         self._rendezvous.put(f"rank/{rank}", record)
@@ -158,6 +164,11 @@ class HetCCLGroup(BaseGroup):
         self.topology = Topology.from_islands([rec["island"] for rec in records], self.options.max_lanes)
         self.border.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank},
                               bytes.fromhex(records[0]["secret"]))
+        try:
+            self._connect_border(found, records, deadline)
+        except HetCCLError:
+            self._abandon()
+            raise
         self._store_address = (records[0]["host"], records[0]["store_port"])
         self._progress = _Progress(self._rendezvous, rank)
         self._island_for(torch.device("cpu"))
@@ -185,6 +196,31 @@ class HetCCLGroup(BaseGroup):
         self.border.close()
         self._pipeline.shutdown()
 
+    def _connect_border(self, found: verbs.Discovery, records: list[dict], deadline: float) -> None:
+        """Choose each cross-island peer's transport; open RDMA queue pairs to those that get it."""
+        mine = self.island
+        self.transports: dict[int, Choice] = {peer: choose(self.options.transport, self.rank, found, peer,
+                                verbs.Discovery.from_record(records[peer].get("rdma")))
+                   for peer in range(self.world_size) if peer not in mine.ranks}
+        rdma_peers = sorted(peer for peer, choice in self.transports.items() if choice.transport == "rdma")
+        if rdma_peers:
+            rdma = RdmaBorder(self.rank, verbs.PyverbsNic(found.ports[0]), self._rendezvous,
+                              timeout_s=max(deadline - time.monotonic(), 1.0))
+            rdma.connect(rdma_peers)
+            self.border = RoutedBorder(self.border, {peer: rdma for peer in rdma_peers})
+        else:
+            self.border = RoutedBorder(self.border)
+        for peer, choice in self.lane_transports().items():
+            logger.info("hetccl group '%s' rank %d -> rank %d: %s (%s)", self.group_name, self.rank, peer,
+                        choice.transport, choice.why)
+
+    def lane_transports(self) -> dict[int, Choice]:
+        """The transport to each peer of this rank's lane in other islands (none off-lane)."""
+        lane = self.topology.lane_of(self.rank)
+        if lane is None:
+            return {}
+        return {peer: self.transports[peer] for peer in self.topology.lane_peers(lane) if peer != self.rank}
+
     def _make_island(self, device_type: str) -> IslandComm:
         island = self.island
         if island.size == 1:  # a lone rank needs no store connection
@@ -205,7 +241,8 @@ class HetCCLGroup(BaseGroup):
         """Bytes this rank sent/received over the border, in all and per op."""
         return {"bytes_sent": self.border.bytes_sent, "bytes_received": self.border.bytes_received,
                 "last_op_bytes_sent": self.last_op_bytes_sent, "per_op": dict(self._sent_by_op),
-                "rejected_connections": self.border.rejected}
+                "rejected_connections": self.border.rejected,
+                "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()}}
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 

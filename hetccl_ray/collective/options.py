@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from hetccl_ray.transport.choice import TRANSPORTS
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -25,6 +27,8 @@ class GroupOptions:
     bind_host: address border listeners bind to (``HETCCL_BIND_HOST``; default node IP).
     piece_bytes: large allreduces go in pieces of this size, border stage of one piece
         overlapping the island stages of the next (``HETCCL_PIECE_BYTES``).
+    transport: "auto" (RDMA to a peer when both ends have a usable port, else TCP), "tcp" or
+        "rdma" (an error where an end has no RDMA port) (``HETCCL_TRANSPORT``).
     check_calls: before each collective, ranks compare what they called (op, dtype, count,
         root, reduce op) in one tiny allgather and raise on a mismatch, naming the ranks
         (``HETCCL_CHECK_CALLS=0`` turns it off to save that latency).
@@ -36,6 +40,7 @@ class GroupOptions:
                                      if os.environ.get("HETCCL_MAX_LANES") else None)
     bind_host: Optional[str] = field(default_factory=lambda: os.environ.get("HETCCL_BIND_HOST") or None)
     piece_bytes: int = field(default_factory=lambda: int(_env_float("HETCCL_PIECE_BYTES", 4 << 20)))
+    transport: str = field(default_factory=lambda: os.environ.get("HETCCL_TRANSPORT") or "auto")
     check_calls: bool = field(default_factory=lambda: os.environ.get("HETCCL_CHECK_CALLS", "1") != "0")
 
     def __post_init__(self) -> None:
@@ -45,6 +50,8 @@ class GroupOptions:
             raise ValueError(f"piece_bytes must be >= 1, got {self.piece_bytes}")
         if self.max_lanes is not None and self.max_lanes < 1:
             raise ValueError(f"max_lanes must be >= 1, got {self.max_lanes}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         self.islands = {int(rank): str(name) for rank, name in self.islands.items()}
 
     def to_json(self) -> bytes:

@@ -101,13 +101,19 @@ def chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Region:
-    """A registered memory region."""
+    """A registered memory region. ``iova`` is the address the NIC knows its start by (the
+    virtual address for plain registrations, an offset for dmabuf ones)."""
 
     addr: int
     length: int
     lkey: int
     rkey: int
     handle: Any = None
+    iova: Optional[int] = None
+
+    def at(self, ptr: int) -> int:
+        """The NIC's address of the byte at virtual address ``ptr`` inside the region."""
+        return ptr if self.iova is None else self.iova + (ptr - self.addr)
 
 
 @dataclass(frozen=True)
@@ -273,7 +279,7 @@ class _Link:
     def _post_recv(self, slot: int) -> None:
         row = self.control[slot]
         wr_id = self.border.router.expect(lambda c, slot=slot: self._on_recv(slot, c))
-        self.qp.post_recv(self.control_region, row.data_ptr(), CONTROL_SIZE, wr_id)
+        self.qp.post_recv(self.control_region, self.control_region.at(row.data_ptr()), CONTROL_SIZE, wr_id)
 
     def send_control(self, message: Control) -> None:
         slot = self._take(self.send_slots, "a free control slot")
@@ -284,7 +290,8 @@ class _Link:
             self.send_slots.put(slot)
             self._check(completion)
 
-        self.qp.post_send(self.control_region, row.data_ptr(), CONTROL_SIZE, self.border.router.expect(sent))
+        self.qp.post_send(self.control_region, self.control_region.at(row.data_ptr()), CONTROL_SIZE,
+                          self.border.router.expect(sent))
 
     def _on_recv(self, slot: int, completion: Completion) -> None:
         """A control message or a write arrival: act on it, then post the slot again."""
@@ -319,7 +326,7 @@ class _Link:
         self.incoming[xfer] = _Incoming(handle, tag, buf, landing, op, chunks(nbytes, chunk))
         if nbytes == 0:
             self._finish_incoming(xfer)
-        self.send_control(Control(CTS, tag, nbytes, landing.data_ptr(), region.rkey, chunk, xfer))
+        self.send_control(Control(CTS, tag, nbytes, region.at(landing.data_ptr()), region.rkey, chunk, xfer))
 
     def _arrived(self, xfer: int) -> None:
         item = self.incoming[xfer]
@@ -403,8 +410,8 @@ class _Link:
             if source is not buf:  # device memory the NIC cannot reach: through pinned host memory
                 source[offset:offset + length].copy_(flat[offset:offset + length])
             wr_id = self.border.router.expect(written)
-            self.qp.post_write_imm(region, source.data_ptr() + offset, length, cts.addr + offset, cts.rkey,
-                                   cts.xfer, wr_id)
+            self.qp.post_write_imm(region, region.at(source.data_ptr()) + offset, length, cts.addr + offset,
+                                   cts.rkey, cts.xfer, wr_id)
 
     def _take_credit(self) -> None:
         while not self.credits.acquire(timeout=_WAIT_S):

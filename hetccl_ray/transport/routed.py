@@ -1,0 +1,52 @@
+"""One Border over several transports: each peer's messages go where its lane's choice says."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from hetccl_ray.transport.base import Border, Handle, Tag
+
+
+class RoutedBorder:
+    """Sends to peers in ``routes`` through their border, to every other peer through ``default``
+    (the TCP border, whose listener address and refusal counter this border reports)."""
+
+    def __init__(self, default: Any, routes: Optional[dict[int, Border]] = None) -> None:
+        self.default = default
+        self.routes = dict(routes or {})
+        self.rank = default.rank
+
+    def __repr__(self) -> str:
+        rdma = sorted(self.routes)
+        return f"RoutedBorder(rank={self.rank}, tcp={self.default!r}, rdma_peers={rdma})"
+
+    def _borders(self) -> list[Any]:
+        return list({id(b): b for b in [self.default, *self.routes.values()]}.values())
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.default.address
+
+    @property
+    def rejected(self) -> int:
+        return self.default.rejected
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(b.bytes_sent for b in self._borders())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(b.bytes_received for b in self._borders())
+
+    def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
+        return self.routes.get(peer, self.default).isend(peer, buf, tag)
+
+    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None) -> Handle:
+        return self.routes.get(peer, self.default).irecv(peer, buf, tag, op=op)
+
+    def close(self) -> None:
+        for border in self._borders():
+            border.close()

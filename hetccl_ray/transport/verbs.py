@@ -1,0 +1,328 @@
+"""pyverbs behind the RDMA border's :class:`~hetccl_ray.transport.rdma.Nic` interface.
+
+- :func:`discover`: the active RDMA ports of this host, or none with the reason (pyverbs
+  missing, no device: ``get_device_list`` raises ``PyverbsRDMAError`` on a kernel without
+  RDMA, no active port).
+- :func:`enum`: one name for a verbs constant across pyverbs v44 (``pyverbs.enums``) and
+  v59 (``pyverbs.libibverbs_enums``, enum classes).
+- :class:`PyverbsNic`: one protection domain and one completion queue per process, RC
+  queue pairs, memory regions for host memory (``MR``), CUDA memory through dmabuf
+  (``DmaBufMR`` on a fd from ``cuMemGetHandleForAddressRange``) or, when the peer memory
+  module is loaded, plain ``MR``; ROCm memory through HSA's dmabuf export. What was chosen
+  is logged and given by ``memory_path``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+
+from hetccl_ray.transport.rdma import Completion, ConnInfo, Region
+
+logger = logging.getLogger(__name__)
+
+_PAGE = 1 << 16  # dmabuf exports want page-aligned ranges; 64 KiB covers every GPU page size
+
+
+def enum(name: str) -> int:
+    """A verbs constant such as ``IBV_QPT_RC``, from whichever pyverbs is installed."""
+    try:
+        from pyverbs import enums as v44
+        return getattr(v44, name)
+    except (ImportError, AttributeError):
+        from pyverbs import libibverbs_enums as v59
+        if hasattr(v59, name):
+            return getattr(v59, name)
+        for value in vars(v59).values():
+            if hasattr(value, name):
+                return int(getattr(value, name))
+        raise AttributeError(f"pyverbs has no constant {name}") from None
+
+
+@dataclass(frozen=True)
+class Port:
+    """An active RDMA port: what a queue pair on it needs and what a peer must match."""
+
+    device: str
+    port: int
+    link_layer: str  # "infiniband" or "ethernet" (RoCE)
+    lid: int
+    gid_index: int
+    gid: str
+    mtu: int
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """This host's RDMA ports, or why there are none."""
+
+    ports: tuple[Port, ...]
+    why: str
+
+    def to_record(self) -> dict:
+        return {"ports": [asdict(port) for port in self.ports], "why": self.why}
+
+    @staticmethod
+    def from_record(record: Optional[dict]) -> "Discovery":
+        record = record or {"ports": [], "why": "the rank did not report RDMA ports"}
+        return Discovery(tuple(Port(**port) for port in record["ports"]), record["why"])
+
+
+def _wanted(name: str) -> bool:
+    only = os.environ.get("HETCCL_RDMA_DEVICES")
+    return not only or name in only.split(",")
+
+
+def _gid_index(ctx: Any, port: int, link_layer: str) -> tuple[int, str]:
+    """The GID to use: ``HETCCL_RDMA_GID_INDEX``, else the first non-zero entry (RoCE: an
+    IPv4-mapped one first, so that it routes like the host's own address)."""
+    forced = os.environ.get("HETCCL_RDMA_GID_INDEX")
+    if forced:
+        return int(forced), str(ctx.query_gid(port, int(forced)).gid)
+    found = []
+    for index in range(ctx.query_port(port).gid_tbl_len):
+        try:
+            gid = str(ctx.query_gid(port, index).gid)
+        except Exception:  # noqa: BLE001 - an unused table entry
+            continue
+        if gid.strip("0:"):
+            found.append((index, gid))
+    if not found:
+        raise LookupError("no GID")
+    mapped = [entry for entry in found if "ffff:" in entry[1]]
+    return (mapped or found)[0] if link_layer == "ethernet" else found[0]
+
+
+@functools.cache
+def discover() -> Discovery:
+    """Every active port of every RDMA device here; none (with the reason) is an answer, not an error."""
+    try:
+        from pyverbs.device import Context, get_device_list
+        from pyverbs.pyverbs_error import PyverbsError
+    except ImportError as exc:
+        return Discovery((), f"pyverbs is not installed ({exc})")
+    try:
+        devices = get_device_list()
+    except PyverbsError as exc:
+        return Discovery((), f"no RDMA devices ({exc})")
+    ports, skipped = [], []
+    for device in devices:
+        name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+        if not _wanted(name):
+            skipped.append(f"{name}: not in HETCCL_RDMA_DEVICES")
+            continue
+        try:
+            with Context(name=name) as ctx:
+                for port in range(1, ctx.query_device().phys_port_cnt + 1):
+                    attr = ctx.query_port(port)
+                    if attr.state != enum("IBV_PORT_ACTIVE"):
+                        skipped.append(f"{name}:{port}: not active")
+                        continue
+                    layer = "ethernet" if attr.link_layer == enum("IBV_LINK_LAYER_ETHERNET") else "infiniband"
+                    index, gid = _gid_index(ctx, port, layer)
+                    ports.append(Port(name, port, layer, attr.lid, index, gid, int(attr.active_mtu)))
+        except (PyverbsError, LookupError) as exc:
+            skipped.append(f"{name}: {exc}")
+    why = f"{len(ports)} active port(s)" if ports else "no active RDMA port"
+    return Discovery(tuple(ports), why + (f" ({'; '.join(skipped)})" if skipped else ""))
+
+
+# -- device memory -------------------------------------------------------------------------------------
+
+def _peer_memory_loaded() -> bool:
+    return any(os.path.exists(f"/sys/module/{name}") for name in ("nvidia_peermem", "nv_peer_mem"))
+
+
+def _cuda_driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        from cuda import cuda as driver  # cuda-python before 12.6
+    return driver
+
+
+@functools.cache
+def gpu_memory_path() -> str:
+    """How this process's GPU tensors reach the NIC: dmabuf, peermem, or staged (pinned host copies)."""
+    try:
+        if not torch.cuda.is_available():
+            return "staged"
+    except RuntimeError:
+        return "staged"
+    if getattr(torch.version, "hip", None):
+        try:
+            ctypes.CDLL("libhsa-runtime64.so.1").hsa_amd_portable_export_dmabuf  # noqa: B018 - probing
+            return "dmabuf"
+        except (OSError, AttributeError):
+            return "staged"
+    try:
+        driver = _cuda_driver()
+        err, supported = driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, torch.cuda.current_device())
+        if int(err) == 0 and supported:
+            return "dmabuf"
+    except (ImportError, AttributeError):
+        pass
+    return "peermem" if _peer_memory_loaded() else "staged"
+
+
+def _dmabuf_fd(addr: int, length: int) -> tuple[int, int, int]:
+    """A dmabuf fd for GPU memory around [addr, addr + length): (fd, aligned start, aligned length)."""
+    start = addr & ~(_PAGE - 1)
+    size = ((addr + length - start) + _PAGE - 1) & ~(_PAGE - 1)
+    if getattr(torch.version, "hip", None):
+        hsa = ctypes.CDLL("libhsa-runtime64.so.1")
+        fd, offset = ctypes.c_int(), ctypes.c_uint64()
+        status = hsa.hsa_amd_portable_export_dmabuf(ctypes.c_void_p(start), ctypes.c_size_t(size),
+                                                    ctypes.byref(fd), ctypes.byref(offset))
+        if status != 0:
+            raise RuntimeError(f"hsa_amd_portable_export_dmabuf failed with status {status}")
+        return fd.value, start - offset.value, size
+    driver = _cuda_driver()
+    err, fd = driver.cuMemGetHandleForAddressRange(
+        start, size, driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cuMemGetHandleForAddressRange failed with {err}")
+    return int(fd), start, size
+
+
+# -- the NIC --------------------------------------------------------------------------------------------
+
+_KINDS = {"IBV_WC_SEND": "send", "IBV_WC_RDMA_WRITE": "write", "IBV_WC_RECV": "recv",
+          "IBV_WC_RECV_RDMA_WITH_IMM": "recv_imm"}
+
+
+@functools.cache
+def _completion_names() -> tuple[dict[int, str], dict[int, str]]:
+    """Work completion opcodes to our kinds, and status codes to their verbs names."""
+    kinds = {enum(name): kind for name, kind in _KINDS.items()}
+    statuses = {}
+    for name in ("IBV_WC_SUCCESS", "IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV_WC_LOC_PROT_ERR",
+                 "IBV_WC_WR_FLUSH_ERR", "IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_OP_ERR", "IBV_WC_RETRY_EXC_ERR",
+                 "IBV_WC_RNR_RETRY_EXC_ERR", "IBV_WC_REM_ABORT_ERR", "IBV_WC_FATAL_ERR", "IBV_WC_GENERAL_ERR"):
+        statuses[enum(name)] = name
+    return kinds, statuses
+
+
+class PyverbsNic:
+    """One RDMA port of this process on pyverbs: a PD, a CQ, and RC queue pairs on them."""
+
+    def __init__(self, port: Port, cq_depth: int = 4096) -> None:
+        from pyverbs.cq import CQ
+        from pyverbs.device import Context
+        from pyverbs.pd import PD
+
+        self.port = port
+        self.name = f"{port.device}:{port.port}"
+        self.ctx = Context(name=port.device)
+        self.pd = PD(self.ctx)
+        self.cq = CQ(self.ctx, cq_depth)
+        self._access = enum("IBV_ACCESS_LOCAL_WRITE") | enum("IBV_ACCESS_REMOTE_WRITE")
+        logger.info("hetccl RDMA on %s (%s, gid index %d); GPU memory: %s", self.name, port.link_layer,
+                    port.gid_index, gpu_memory_path())
+
+    def memory_path(self, device: torch.device) -> str:
+        return "host" if device.type == "cpu" else gpu_memory_path()
+
+    def register(self, addr: int, length: int, device: torch.device) -> Region:
+        from pyverbs.mr import MR, DmaBufMR
+
+        path = self.memory_path(device)
+        if path in ("host", "peermem"):
+            mr = MR(self.pd, length, self._access, address=addr)
+            return Region(addr, length, mr.lkey, mr.rkey, mr)
+        if path == "dmabuf":
+            fd, start, size = _dmabuf_fd(addr, length)
+            try:
+                mr = DmaBufMR(self.pd, size, self._access, dmabuf=fd, offset=0)
+            finally:
+                os.close(fd)  # the MR holds its own reference to the dmabuf
+            return Region(start, size, mr.lkey, mr.rkey, mr, iova=0)
+        raise ValueError(f"RDMA {self.name}: memory on {device} cannot be registered (path {path}); "
+                         "it is staged through host memory")
+
+    def deregister(self, region: Region) -> None:
+        region.handle.close()
+
+    def create_qp(self, send_depth: int, recv_depth: int) -> "PyverbsQueuePair":
+        return PyverbsQueuePair(self, send_depth, recv_depth)
+
+    def poll(self, max_entries: int) -> list[Completion]:
+        count, wcs = self.cq.poll(max_entries)
+        if not count:
+            return []
+        kinds, statuses = _completion_names()
+        success = enum("IBV_WC_SUCCESS")
+        return [Completion(wc.wr_id, wc.qp_num, kinds.get(wc.opcode, f"opcode {wc.opcode}"), wc.status == success,
+                           statuses.get(wc.status, f"status {wc.status}"), wc.imm_data, wc.byte_len)
+                for wc in wcs[:count]]
+
+    def close(self) -> None:
+        for resource in (self.cq, self.pd, self.ctx):
+            resource.close()
+
+
+class PyverbsQueuePair:
+    """An RC queue pair: RESET -> INIT -> RTR -> RTS once the peer's connection data is in."""
+
+    def __init__(self, nic: PyverbsNic, send_depth: int, recv_depth: int) -> None:
+        from pyverbs.qp import QP, QPCap, QPInitAttr
+
+        self.nic = nic
+        cap = QPCap(max_send_wr=send_depth, max_recv_wr=recv_depth, max_send_sge=1, max_recv_sge=1)
+        init = QPInitAttr(qp_type=enum("IBV_QPT_RC"), scq=nic.cq, rcq=nic.cq, cap=cap, sq_sig_all=1)
+        self.qp = QP(nic.pd, init)
+        self.qpn = self.qp.qp_num
+        self.psn = random.getrandbits(24)
+
+    def info(self) -> ConnInfo:
+        port = self.nic.port
+        return ConnInfo(port.device, port.port, self.qpn, self.psn, port.lid, port.gid, port.mtu)
+
+    def connect(self, remote: ConnInfo) -> None:
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
+        port = self.nic.port
+        attr = QPAttr(port_num=port.port)
+        attr.qp_access_flags = self.nic._access
+        gid = GID()
+        gid.gid = remote.gid
+        route = GlobalRoute(dgid=gid, sgid_index=port.gid_index)
+        attr.ah_attr = AHAttr(port_num=port.port, is_global=1, gr=route, dlid=remote.lid)
+        attr.path_mtu = min(port.mtu, remote.mtu)
+        attr.dest_qp_num, attr.rq_psn, attr.sq_psn = remote.qpn, remote.psn, self.psn
+        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
+        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7  # rnr 7: retry forever
+        self.qp.to_rts(attr)
+
+    def _sge(self, region: Region, addr: int, length: int) -> Any:
+        from pyverbs.wr import SGE
+        return SGE(addr, length, region.lkey)
+
+    def post_recv(self, region: Region, addr: int, length: int, wr_id: int) -> None:
+        from pyverbs.wr import RecvWR
+        self.qp.post_recv(RecvWR(wr_id=wr_id, num_sge=1, sg=[self._sge(region, addr, length)]))
+
+    def post_send(self, region: Region, addr: int, length: int, wr_id: int) -> None:
+        from pyverbs.wr import SendWR
+        self.qp.post_send(SendWR(wr_id=wr_id, opcode=enum("IBV_WR_SEND"), num_sge=1,
+                                 sg=[self._sge(region, addr, length)], send_flags=enum("IBV_SEND_SIGNALED")))
+
+    def post_write_imm(self, region: Region, addr: int, length: int, remote_addr: int, rkey: int, imm: int,
+                       wr_id: int) -> None:
+        from pyverbs.wr import SendWR
+        wr = SendWR(wr_id=wr_id, opcode=enum("IBV_WR_RDMA_WRITE_WITH_IMM"), num_sge=1,
+                    sg=[self._sge(region, addr, length)], send_flags=enum("IBV_SEND_SIGNALED"), imm_data=imm)
+        wr.set_wr_rdma(rkey, remote_addr)
+        self.qp.post_send(wr)
+
+    def close(self) -> None:
+        self.qp.close()

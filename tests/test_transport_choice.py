@@ -1,0 +1,66 @@
+"""Transport choice per peer and RDMA discovery on this machine (pyverbs, no RDMA device)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from hetccl_ray.errors import HetCCLError
+from hetccl_ray.transport import verbs
+from hetccl_ray.transport.choice import choose
+
+HAS_PYVERBS = importlib.util.find_spec("pyverbs") is not None
+IB = verbs.Port("mlx5_0", 1, "infiniband", lid=3, gid_index=0, gid="fe80::1", mtu=5)
+ROCE = verbs.Port("mlx5_1", 1, "ethernet", lid=0, gid_index=3, gid="::ffff:10.0.0.2", mtu=3)
+NONE = verbs.Discovery((), "no RDMA devices (Failed to get devices list)")
+
+
+def found(*ports):
+    return verbs.Discovery(tuple(ports), f"{len(ports)} active port(s)")
+
+
+def test_auto_takes_rdma_where_both_ends_share_a_link_layer():
+    choice = choose("auto", 0, found(IB), 2, found(IB, ROCE))
+    assert choice.transport == "rdma" and "infiniband" in choice.why
+
+
+@pytest.mark.parametrize("mine,theirs,why", [
+    (NONE, found(IB), "rank 0 has no usable RDMA port: no RDMA devices (Failed to get devices list)"),
+    (found(IB), NONE, "rank 2 has no usable RDMA port"),
+    (found(IB), found(ROCE), "share no link layer"),
+])
+def test_auto_falls_back_to_tcp_and_says_why(mine, theirs, why):
+    choice = choose("auto", 0, mine, 2, theirs)
+    assert choice.transport == "tcp" and why in choice.why
+
+
+def test_forced_rdma_without_a_port_is_a_clear_error():
+    with pytest.raises(HetCCLError, match=r"transport='rdma' between rank 0 and rank 2 is impossible: rank 2 has "
+                                          r"no usable RDMA port"):
+        choose("rdma", 0, found(IB), 2, NONE)
+
+
+def test_forced_tcp_wins_over_ports():
+    assert choose("tcp", 0, found(IB), 1, found(IB)).transport == "tcp"
+
+
+def test_discovery_survives_the_rendezvous_record():
+    record = found(IB, ROCE).to_record()
+    assert verbs.Discovery.from_record(record) == found(IB, ROCE)
+    assert verbs.Discovery.from_record(None).ports == ()
+
+
+@pytest.mark.skipif(not HAS_PYVERBS, reason="pyverbs is not installed (scripts/install_pyverbs.sh installs it)")
+def test_pyverbs_imports_and_finds_no_device_here():
+    import pyverbs.enums
+
+    assert verbs.enum("IBV_QPT_RC") == pyverbs.enums.IBV_QPT_RC
+    assert verbs.enum("IBV_WR_RDMA_WRITE_WITH_IMM") == pyverbs.enums.IBV_WR_RDMA_WRITE_WITH_IMM
+    result = verbs.discover()
+    assert result.ports == () and "no RDMA devices" in result.why, result
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible; tests/hw covers it")
+def test_gpu_memory_path_on_a_machine_without_gpu_is_staged():
+    assert verbs.gpu_memory_path() == "staged"
