@@ -53,9 +53,12 @@ class Worker:
         return ray.get_runtime_context().get_node_labels()
 
 
-def place_workers(island_of_rank: Sequence[str]) -> list:
-    """One actor per rank, on a node labelled with its island; returns once all are up."""
-    actors = [Worker.options(label_selector={ISLAND_LABEL: name}).remote() for name in island_of_rank]
+def place_workers(island_of_rank: Sequence[str], gpus: Optional[dict[str, int]] = None) -> list:
+    """One actor per rank, on a node labelled with its island (holding one GPU on the islands
+    in ``gpus``); returns once all are up."""
+    gpus = gpus or {}
+    actors = [Worker.options(label_selector={ISLAND_LABEL: name}, num_gpus=1 if gpus.get(name) else 0).remote()
+              for name in island_of_rank]
     ray.get([a.node_labels.remote() for a in actors], timeout=300)
     return actors
 
@@ -63,8 +66,11 @@ def place_workers(island_of_rank: Sequence[str]) -> list:
 class LocalCluster:
     """Context manager: a local multi-node Ray cluster whose nodes are labelled islands."""
 
-    def __init__(self, islands: Sequence[str], cpus_per_node: int = 1, env: Optional[dict] = None) -> None:
+    def __init__(self, islands: Sequence[str], cpus_per_node: int = 1, env: Optional[dict] = None,
+                 gpus: Optional[dict[str, int]] = None) -> None:
+        """``gpus``: island -> GPUs its node offers (the host's real GPUs; default none)."""
         self.islands = list(dict.fromkeys(islands))
+        self.gpus = dict(gpus or {})
         self.cpus_per_node = cpus_per_node
         self.env = env or {}
         self.cluster = None
@@ -75,7 +81,8 @@ class LocalCluster:
         os.environ["RAY_AUTH_MODE"] = "disabled"
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
         for name in self.islands:
-            self.cluster.add_node(num_cpus=self.cpus_per_node, labels={ISLAND_LABEL: name})
+            self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus.get(name, 0),
+                                  labels={ISLAND_LABEL: name})
         env_vars = {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
             p for p in (REPO, os.environ.get("PYTHONPATH")) if p), **self.env}
         ray.init(address=self.cluster.address, namespace="hetccl", log_to_driver=False, runtime_env={
@@ -84,7 +91,7 @@ class LocalCluster:
 
     def workers(self, island_of_rank: Sequence[str]) -> list:
         """One actor per rank, on the node of its island."""
-        return place_workers(island_of_rank)
+        return place_workers(island_of_rank, self.gpus)
 
     def __exit__(self, *exc: object) -> None:
         ray.shutdown()

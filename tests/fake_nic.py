@@ -28,21 +28,22 @@ class FakeFabric:
         self.regions: dict[int, Region] = {}
         self.ids = itertools.count(1)
 
-    def nic(self, name: str) -> "FakeNic":
-        return FakeNic(self, name)
+    def nic(self, name: str, staged: bool = False) -> "FakeNic":
+        return FakeNic(self, name, staged)
 
 
 class FakeNic:
-    """FAKE NIC: host memory only; device tensors are staged."""
+    """FAKE NIC: host memory only; device tensors are staged. ``staged=True`` stages every
+    tensor, as a GPU without dmabuf or peer memory is, so that path runs on the CPU."""
 
-    def __init__(self, fabric: FakeFabric, name: str) -> None:
-        self.fabric, self.name = fabric, name
+    def __init__(self, fabric: FakeFabric, name: str, staged: bool = False) -> None:
+        self.fabric, self.name, self.staged = fabric, name, staged
         self.completions: "collections.deque[Completion]" = collections.deque()
         self.registered: list[Region] = []
         self.corrupt_rkeys = False  # a fault to inject: writes name a wrong rkey
 
     def memory_path(self, device: torch.device) -> str:
-        return "host" if device.type == "cpu" else "staged"
+        return "host" if device.type == "cpu" and not self.staged else "staged"
 
     def register(self, addr: int, length: int, device: torch.device) -> Region:
         if device.type != "cpu":

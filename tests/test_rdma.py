@@ -21,10 +21,10 @@ from tests.fake_nic import FakeFabric
 from tests.fakes import run_ranks
 
 
-def rdma_borders(n: int, **kwargs) -> list[RdmaBorder]:
+def rdma_borders(n: int, staged: bool = False, **kwargs) -> list[RdmaBorder]:
     """One RDMA border per rank on FAKE NICs, connected through a real in-process c10d store."""
     fabric, store = FakeFabric(), dist.HashStore()
-    borders = [RdmaBorder(r, fabric.nic(f"fake_mlx5_{r}"), StoreRendezvous(store, "rdma-test"), timeout_s=10,
+    borders = [RdmaBorder(r, fabric.nic(f"fake_mlx5_{r}", staged), StoreRendezvous(store, "rdma-test"), timeout_s=10,
                           **kwargs) for r in range(n)]
     with ThreadPoolExecutor(n) as pool:  # ranks connect at once, as in separate processes
         list(pool.map(lambda b: b.connect([p for p in range(n) if p != b.rank]), borders))
@@ -129,6 +129,19 @@ def test_send_lands_in_the_receive_buffer_in_chunks(dtype, n):
         assert borders[1].mrs.misses == misses + 1        # the destination, registered once
         _exchange(borders, 0, 1, data, out, tag=Tag(1, 2, 0))
         assert borders[1].mrs.misses == misses + 1 and borders[1].mrs.hits >= 1
+    finally:
+        close_all(borders)
+
+
+@pytest.mark.parametrize("op", [None, "sum"])
+def test_memory_the_nic_cannot_reach_goes_through_host_staging(op):
+    borders = rdma_borders(2, staged=True, chunk_bytes=4096)
+    try:
+        data, acc = torch.arange(5000, dtype=torch.float32), torch.ones(5000)
+        _exchange(borders, 0, 1, data, acc, op=op)
+        np.testing.assert_array_equal(acc.numpy(), data.numpy() + (1 if op else 0))
+        registered = {r.addr for b in borders for r in b.nic.registered}
+        assert data.data_ptr() not in registered and acc.data_ptr() not in registered  # only staging buffers
     finally:
         close_all(borders)
 

@@ -311,3 +311,13 @@ def test_tensor_over_2_gib_crosses_the_border(actors):
     sent = ray.get([a.call.remote(_big_allreduce, "big", r, n) for r, a in enumerate(group)], timeout=600)
     assert sent == [n, n]                                           # each sends its whole partial once
     ray.get([a.call.remote(lambda: col.destroy_collective_group("big")) for a in group])
+
+
+# -- the hardware suite's op checks, on the CPU ----------------------------------------------------
+
+def test_the_hardware_suites_op_checks_pass_on_cpu(actors):
+    from tests.hw.ops import every_op
+
+    group = [actors["a"][2], actors["b"][2], actors["b"][3]]
+    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name="hw-ops-on-cpu", timeout_s=60)
+    assert ray.get([a.call.remote(every_op, "hw-ops-on-cpu", r, 3, "cpu") for r, a in enumerate(group)]) == [[]] * 3
