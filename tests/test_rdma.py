@@ -14,9 +14,9 @@ import torch.distributed as dist
 from hetccl_ray.collective import plans
 from hetccl_ray.collective.rendezvous import StoreRendezvous
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError
-from hetccl_ray.transport.base import Tag
+from hetccl_ray.transport.base import Tag, chunks
 from hetccl_ray.transport.rdma import (ABORT, CTS, Completion, CompletionRouter, ConnInfo, Control, MRCache,
-                                       RdmaBorder, Region, chunks)
+                                       RdmaBorder, Region)
 from tests.fake_nic import FakeFabric
 from tests.fakes import run_ranks
 

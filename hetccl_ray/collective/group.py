@@ -238,11 +238,13 @@ class HetCCLGroup(BaseGroup):
         return self._islands[device.type]
 
     def border_stats(self) -> dict[str, Any]:
-        """Bytes this rank sent/received over the border, in all and per op."""
+        """Bytes this rank sent/received over the border, in all and per op; the transport to
+        each lane peer; how GPU tensors reach an RDMA NIC (dmabuf, peermem or staged)."""
         return {"bytes_sent": self.border.bytes_sent, "bytes_received": self.border.bytes_received,
                 "last_op_bytes_sent": self.last_op_bytes_sent, "per_op": dict(self._sent_by_op),
                 "rejected_connections": self.border.rejected,
-                "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()}}
+                "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()},
+                "gpu_memory": verbs.gpu_memory_path()}
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 

@@ -36,6 +36,11 @@ class Tag:
         return Tag(op, seq, dtype), nbytes
 
 
+def chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk of a transfer of ``nbytes``."""
+    return [(offset, min(chunk_bytes, nbytes - offset)) for offset in range(0, nbytes, chunk_bytes)]
+
+
 class Handle:
     """Completion of one posted send or receive; ``wait`` raises what the transfer raised."""
 

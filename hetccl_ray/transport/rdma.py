@@ -30,7 +30,7 @@ import torch
 
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import Handle, Tag
+from hetccl_ray.transport.base import Handle, Tag, chunks
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +90,6 @@ class Control:
         if magic != _MAGIC or kind not in (CTS, ABORT):
             raise ValueError(f"bad RDMA control message (magic {magic!r}, kind {kind})")
         return cls(kind, Tag(op, seq, dtype), nbytes, addr, rkey, chunk, xfer)
-
-
-def chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """(offset, length) of each chunk of a transfer."""
-    return [(offset, min(chunk_bytes, nbytes - offset)) for offset in range(0, nbytes, chunk_bytes)]
 
 
 # -- the NIC interface -------------------------------------------------------------------------------

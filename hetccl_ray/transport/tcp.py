@@ -22,7 +22,7 @@ import torch
 
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import HEADER_SIZE, Handle, Tag
+from hetccl_ray.transport.base import HEADER_SIZE, Handle, Tag, chunks
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class _Link:
         self.owner, self.peer, self.sock = owner, peer, sock
         self.error: Optional[BaseException] = None
         self.staging: Optional[torch.Tensor] = None
+        self.send_staging: Optional[torch.Tensor] = None
         self.sends: "queue.SimpleQueue" = queue.SimpleQueue()
         self.recvs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.threads = [
@@ -89,12 +90,38 @@ class _Link:
                 handle.finish(exc)
 
     def _send_one(self, tag: Tag, buf: torch.Tensor) -> None:
-        host = buf if buf.device.type == "cpu" else buf.to("cpu")
-        view = _byte_view(host)
-        self.sock.sendall(tag.header(len(view)))
-        for offset in range(0, len(view), CHUNK_BYTES):
-            self.sock.sendall(view[offset:offset + CHUNK_BYTES])
-        self.owner.count(sent=len(view))
+        nbytes = buf.numel() * buf.element_size()
+        self.sock.sendall(tag.header(nbytes))
+        if buf.device.type == "cpu":
+            view = _byte_view(buf)
+            for offset, length in chunks(nbytes, CHUNK_BYTES):
+                self.sock.sendall(view[offset:offset + length])
+        else:
+            self._send_staged(buf, nbytes)
+        self.owner.count(sent=nbytes)
+
+    def _send_staged(self, buf: torch.Tensor, nbytes: int) -> None:
+        """A device tensor through two pinned host slots: the copy of chunk i+1 runs while chunk i is sent."""
+        flat = buf.reshape(-1).view(torch.uint8)
+        spans = chunks(nbytes, CHUNK_BYTES)
+        if self.send_staging is None:
+            self.send_staging = torch.empty(2, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+
+        def launch(i: int) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+            offset, length = spans[i]
+            slot = self.send_staging[i % 2, :length]
+            slot.copy_(flat[offset:offset + length], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            return slot, copied
+
+        pending = launch(0)
+        for i in range(len(spans)):
+            slot, copied = pending
+            copied.synchronize()
+            if i + 1 < len(spans):
+                pending = launch(i + 1)
+            self.sock.sendall(memoryview(slot.numpy()))
 
     def _recv_one(self, tag: Tag, buf: torch.Tensor, op: Optional[str]) -> None:
         nbytes = buf.numel() * buf.element_size()
