@@ -40,7 +40,8 @@ class FakeNic:
         self.fabric, self.name, self.staged = fabric, name, staged
         self.completions: "collections.deque[Completion]" = collections.deque()
         self.registered: list[Region] = []
-        self.corrupt_rkeys = False  # a fault to inject: writes name a wrong rkey
+        self.corrupt_rkeys = False  # faults to inject: writes name a wrong rkey;
+        self.fail_connect = False   # the RESET -> RTS transition fails
 
     def memory_path(self, device: torch.device) -> str:
         return "host" if device.type == "cpu" and not self.staged else "staged"
@@ -95,6 +96,8 @@ class FakeQueuePair:
                         gid="fe80::fa4e:0:0:1", mtu=4096)
 
     def connect(self, remote: ConnInfo) -> None:
+        if self.nic.fail_connect:
+            raise RuntimeError("FAKE: failed to modify QP state to RTR")
         with self.fabric.lock:
             self.remote = self.fabric.qps[remote.qpn]
 

@@ -230,3 +230,23 @@ def test_every_plan_over_the_rdma_border(layout):
         np.testing.assert_array_equal(x, data.sum(axis=0))
         np.testing.assert_array_equal(b, data[world - 1])
         np.testing.assert_array_equal(g, np.repeat(np.array(order, dtype=np.float64), 5))
+
+
+def test_a_verbs_error_while_connecting_names_device_and_queue_pairs():
+    fabric, store = FakeFabric(), dist.HashStore()
+    nics = [fabric.nic("fake_mlx5_0"), fabric.nic("fake_mlx5_1")]
+    borders = [RdmaBorder(r, nics[r], StoreRendezvous(store, "broken"), timeout_s=5) for r in range(2)]
+    for nic in nics:
+        nic.fail_connect = True  # as a to_rts with a bad GID or MTU fails
+
+    def connect(border):
+        try:
+            border.connect([1 - border.rank])
+        except HetCCLPeerError as exc:
+            return str(exc)
+
+    with ThreadPoolExecutor(2) as pool:
+        messages = list(pool.map(connect, borders))
+    close_all(borders)
+    for rank, message in enumerate(messages):
+        assert f"RDMA fake_mlx5_{rank} QP" in message and f"could not connect to rank {1 - rank}" in message, message

@@ -503,7 +503,11 @@ class RdmaBorder:
     def connect(self, peers: list[int]) -> None:
         """Create a queue pair for every peer, publish them all, then connect each: all first,
         so that ranks reaching their peers in different orders never wait on each other."""
-        qps = {peer: self.nic.create_qp(self.depth + CONTROL_SLOTS, CONTROL_SLOTS) for peer in peers}
+        try:
+            qps = {peer: self.nic.create_qp(self.depth + CONTROL_SLOTS, CONTROL_SLOTS) for peer in peers}
+        except Exception as exc:  # noqa: BLE001 - a verbs error, named with the device
+            raise HetCCLPeerError(f"RDMA {self.nic.name}: rank {self.rank} could not create queue pairs: {exc}") \
+                from exc
         for peer, qp in qps.items():
             self.rendezvous.put(f"rdma/{self.rank}->{peer}", qp.info().to_record())
         keys = {peer: f"rdma/{peer}->{self.rank}" for peer in peers}
@@ -516,7 +520,12 @@ class RdmaBorder:
             raise HetCCLTimeoutError(f"rank {self.rank}: ranks {missing} did not publish their RDMA queue pairs "
                                      f"within {self.timeout_s:.1f}s") from None
         for peer, qp in qps.items():
-            qp.connect(ConnInfo.from_record(records[keys[peer]]))
+            remote = ConnInfo.from_record(records[keys[peer]])
+            try:
+                qp.connect(remote)
+            except Exception as exc:  # noqa: BLE001 - a verbs error, named with device and QPs
+                raise HetCCLPeerError(f"RDMA {self.nic.name} QP {qp.qpn}: rank {self.rank} could not connect to "
+                                      f"rank {peer} ({remote.device} QP {remote.qpn}): {exc}") from exc
             link = _Link(self, peer, qp)
             with self._lock:
                 self._links[peer] = link

@@ -5,7 +5,7 @@
   RDMA, no active port).
 - :func:`enum`: one name for a verbs constant across pyverbs v44 (``pyverbs.enums``) and
   v59 (``pyverbs.libibverbs_enums``, enum classes).
-- :class:`PyverbsNic`: one protection domain and one completion queue per process, RC
+- :class:`PyverbsNic`: one protection domain per process, a completion queue per border, RC
   queue pairs, memory regions for host memory (``MR``), CUDA memory through dmabuf
   (``DmaBufMR`` on a fd from ``cuMemGetHandleForAddressRange``) or, when the peer memory
   module is loaded, plain ``MR``; ROCm memory through HSA's dmabuf export. What was chosen
@@ -211,18 +211,26 @@ def _completion_names() -> tuple[dict[int, str], dict[int, str]]:
     return kinds, statuses
 
 
+@functools.cache
+def _protection_domain(device: str) -> tuple[Any, Any]:
+    """The device context and the one protection domain of this process on it, kept for the
+    process's life (memory regions and queue pairs of every group hang off it)."""
+    from pyverbs.device import Context
+    from pyverbs.pd import PD
+
+    ctx = Context(name=device)
+    return ctx, PD(ctx)
+
+
 class PyverbsNic:
-    """One RDMA port of this process on pyverbs: a PD, a CQ, and RC queue pairs on them."""
+    """One RDMA port as one border uses it: the process's PD, a CQ of its own, RC queue pairs."""
 
     def __init__(self, port: Port, cq_depth: int = 4096) -> None:
         from pyverbs.cq import CQ
-        from pyverbs.device import Context
-        from pyverbs.pd import PD
 
         self.port = port
         self.name = f"{port.device}:{port.port}"
-        self.ctx = Context(name=port.device)
-        self.pd = PD(self.ctx)
+        self.ctx, self.pd = _protection_domain(port.device)
         self.cq = CQ(self.ctx, cq_depth)
         self._access = enum("IBV_ACCESS_LOCAL_WRITE") | enum("IBV_ACCESS_REMOTE_WRITE")
         logger.info("hetccl RDMA on %s (%s, gid index %d); GPU memory: %s", self.name, port.link_layer,
@@ -265,8 +273,7 @@ class PyverbsNic:
                 for wc in wcs[:count]]
 
     def close(self) -> None:
-        for resource in (self.cq, self.pd, self.ctx):
-            resource.close()
+        self.cq.close()  # the PD and context stay: other groups of this process may use them
 
 
 class PyverbsQueuePair:
