@@ -198,15 +198,20 @@ class HetCCLGroup(BaseGroup):
 
     def _connect_border(self, found: verbs.Discovery, records: list[dict], deadline: float) -> None:
         """Choose each cross-island peer's transport; open RDMA queue pairs to those that get it."""
-        mine = self.island
-        self.transports: dict[int, Choice] = {peer: choose(self.options.transport, self.rank, found, peer,
-                                verbs.Discovery.from_record(records[peer].get("rdma")))
-                   for peer in range(self.world_size) if peer not in mine.ranks}
+        self.transports: dict[int, Choice] = {}
+        for peer in range(self.world_size):
+            if peer not in self.island.ranks:
+                theirs = verbs.Discovery.from_record(records[peer].get("rdma"))
+                self.transports[peer] = choose(self.options.transport, self.rank, found, peer, theirs)
         rdma_peers = sorted(peer for peer, choice in self.transports.items() if choice.transport == "rdma")
         if rdma_peers:
             rdma = RdmaBorder(self.rank, verbs.PyverbsNic(found.ports[0]), self._rendezvous,
                               timeout_s=max(deadline - time.monotonic(), 1.0))
-            rdma.connect(rdma_peers)
+            try:
+                rdma.connect(rdma_peers)
+            except HetCCLError:
+                rdma.close()
+                raise
             self.border = RoutedBorder(self.border, {peer: rdma for peer in rdma_peers})
         else:
             self.border = RoutedBorder(self.border)
@@ -248,11 +253,11 @@ class HetCCLGroup(BaseGroup):
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
-    def _run(self, call: Call, device: torch.device, body: Optional[Callable[[plans.PlanContext], Any]],
+    def _run(self, call: Call, device: torch.device, body: Callable[[plans.PlanContext], Any],
              peer: Optional[int] = None) -> Any:
-        """Run one op's plan ``body`` (None: nothing to move) under the group's sequence
-        number, deadline and error state; collectives first check that every rank made
-        the same ``call``."""
+        """Run one op's plan ``body`` under the group's sequence number, deadline and error
+        state; collectives first check that every rank made the same ``call``. A call of no
+        elements runs no body (but a barrier, whose point is to wait)."""
         with self._lock:
             if self._broken is not None:
                 raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
@@ -274,7 +279,7 @@ class HetCCLGroup(BaseGroup):
                 problem = self._disagreement(ctx, replace(call, seq=seq)) if peer is None else None
                 before = self.border.bytes_sent  # the check's bytes are counted as "check"
                 if problem is None:
-                    return body(ctx) if body is not None else None
+                    return body(ctx) if call.numel or call.op == "barrier" else None
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
@@ -351,7 +356,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self._one(tensor, "allreduce"))
         op = self._reduce_op(allreduce_options)
         self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat.device,
-                  (lambda ctx: plans.allreduce(ctx, x.flat, op)) if x.numel else None)
+                  lambda ctx: plans.allreduce(ctx, x.flat, op))
         x.write_back()
 
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
@@ -363,7 +368,7 @@ class HetCCLGroup(BaseGroup):
         op = self._reduce_op(reduce_options)
         work = x.flat if self.rank == root else x.flat.clone()
         self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat.device,
-                  (lambda ctx: plans.reduce(ctx, work, root, op)) if x.numel else None)
+                  lambda ctx: plans.reduce(ctx, work, root, op))
         if self.rank == root:
             x.write_back()
 
@@ -371,7 +376,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self._one(tensor, "broadcast"))
         root = self._rank_arg(broadcast_options.root_rank, "broadcast root")
         self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat.device,
-                  (lambda ctx: plans.broadcast(ctx, x.flat, root)) if x.numel else None)
+                  lambda ctx: plans.broadcast(ctx, x.flat, root))
         x.write_back()
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
@@ -382,7 +387,7 @@ class HetCCLGroup(BaseGroup):
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
         slot = order.index(self.rank)
         buf[slot * n:(slot + 1) * n].copy_(x.flat)
-        self._run(Call("allgather", x.flat.dtype, n), x.flat.device, (lambda ctx: plans.allgather(ctx, buf)) if n else None)
+        self._run(Call("allgather", x.flat.dtype, n), x.flat.device, lambda ctx: plans.allgather(ctx, buf))
         for slot, rank in enumerate(order):
             outputs[rank].flat.copy_(buf[slot * n:(slot + 1) * n])
             outputs[rank].write_back()
@@ -398,7 +403,7 @@ class HetCCLGroup(BaseGroup):
         for slot, rank in enumerate(order):
             buf[slot * n:(slot + 1) * n].copy_(inputs[rank].flat)
         self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat.device,
-                  (lambda ctx: out.flat.copy_(plans.reducescatter(ctx, buf, op))) if n else None)
+                  lambda ctx: out.flat.copy_(plans.reducescatter(ctx, buf, op)))
         out.write_back()
 
     def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> Operand:
