@@ -15,7 +15,8 @@ def test_precedence():
     assert island_for(None, {}, None) == "cpu"
 
 
-@pytest.mark.parametrize("name,vendor", [("H100", "nvidia"), ("MI250X", "amd"), ("Intel-GPU-Max-1550", "intel"), ("", "cpu")])
+@pytest.mark.parametrize("name,vendor", [("H100", "nvidia"), ("MI250X", "amd"), ("Intel-GPU-Max-1550", "intel"),
+                                         ("", "cpu")])
 def test_vendor(name, vendor):
     assert vendor_of_accelerator(name) == vendor
 
