@@ -321,3 +321,16 @@ def test_the_hardware_suites_op_checks_pass_on_cpu(actors):
     group = [actors["a"][2], actors["b"][2], actors["b"][3]]
     hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name="hw-ops-on-cpu", timeout_s=60)
     assert ray.get([a.call.remote(every_op, "hw-ops-on-cpu", r, 3, "cpu") for r, a in enumerate(group)]) == [[]] * 3
+
+
+def _barrier_then_allreduce(name, rank):
+    col.barrier(group_name=name)
+    return _allreduce_value(name, rank), hetccl_ray.border_stats(name)["per_op"]
+
+
+def test_without_call_checks_ops_still_run_and_no_check_is_sent(actors):
+    group = [actors["a"][2], actors["b"][2], actors["b"][3]]
+    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name="unchecked", timeout_s=30, check_calls=False)
+    results = ray.get([a.call.remote(_barrier_then_allreduce, "unchecked", r) for r, a in enumerate(group)])
+    _check_sum([x for x, _ in results], 3)
+    assert all("check" not in per_op and per_op.get("allreduce") for _, per_op in results[:2]), results

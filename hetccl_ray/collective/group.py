@@ -257,7 +257,8 @@ class HetCCLGroup(BaseGroup):
              peer: Optional[int] = None) -> Any:
         """Run one op's plan ``body`` under the group's sequence number, deadline and error
         state; collectives first check that every rank made the same ``call``. A call of no
-        elements runs no body (but a barrier, whose point is to wait)."""
+        elements runs no body, and a barrier none when the check (an allgather, so itself a
+        barrier) ran."""
         with self._lock:
             if self._broken is not None:
                 raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
@@ -276,10 +277,11 @@ class HetCCLGroup(BaseGroup):
                                     started + self.options.timeout_s, self._scratch, self._pipeline,
                                     self.options.piece_bytes)
             try:
-                problem = self._disagreement(ctx, replace(call, seq=seq)) if peer is None else None
+                checked = peer is None and self.options.check_calls and self.world_size > 1
+                problem = self._disagreement(ctx, replace(call, seq=seq)) if checked else None
                 before = self.border.bytes_sent  # the check's bytes are counted as "check"
                 if problem is None:
-                    return body(ctx) if call.numel or call.op == "barrier" else None
+                    return body(ctx) if call.numel or (call.op == "barrier" and not checked) else None
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
@@ -291,9 +293,7 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
 
     def _disagreement(self, ctx: plans.PlanContext, call: Call) -> Optional[str]:
-        """Which ranks called what, if they did not all make ``call`` (``check_calls``)."""
-        if not self.options.check_calls or self.world_size == 1:
-            return None
+        """Which ranks called what, if they did not all make ``call``."""
         check = replace(ctx, island=self._island_for(torch.device("cpu")),
                         tag=Tag(OP_CODES["check"], call.seq, dtype_code(torch.int64)))
         before = self.border.bytes_sent
