@@ -9,7 +9,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from hetccl_ray.errors import HetCCLTimeoutError
+from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 
 # magic, op code, sequence number, dtype code, payload bytes
 _HEADER = struct.Struct("!4sIQIQ")
@@ -34,6 +34,26 @@ class Tag:
         if magic != _MAGIC:
             raise ValueError(f"bad border message magic {magic!r}")
         return Tag(op, seq, dtype), nbytes
+
+
+def mismatch(receiver: int, expected: Tag, nbytes: int, sender: int, got: Tag, got_bytes: int) -> HetCCLMismatchError:
+    """The error of a message that is not the one its receiver posted for."""
+    return HetCCLMismatchError(f"rank {receiver} expected {expected} with {nbytes} bytes from rank {sender}, "
+                               f"got {got} with {got_bytes} bytes")
+
+
+class ByteCounter:
+    """Bytes a border sent and received, counted from its transfer threads."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._count_lock = threading.Lock()
+
+    def count(self, sent: int = 0, received: int = 0) -> None:
+        with self._count_lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
 
 
 def chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

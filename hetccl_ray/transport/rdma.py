@@ -30,7 +30,7 @@ import torch
 
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import Handle, Tag, chunks
+from hetccl_ray.transport.base import ByteCounter, Handle, Tag, chunks, mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -347,12 +347,8 @@ class _Link:
     def _abort_incoming(self, message: Control) -> None:
         item = self.incoming.pop(message.xfer, None)
         if item is not None:
-            item.handle.finish(HetCCLMismatchError(self._mismatch_text(
-                self.border.rank, item.tag, sum(n for _, n in item.spans), message.tag, message.nbytes)))
-
-    def _mismatch_text(self, rank: int, expected: Tag, nbytes: int, got: Tag, got_bytes: int) -> str:
-        return (f"rank {rank} expected {expected} with {nbytes} bytes from rank {self.peer}, "
-                f"got {got} with {got_bytes} bytes")
+            item.handle.finish(mismatch(self.border.rank, item.tag, sum(n for _, n in item.spans), self.peer,
+                                        message.tag, message.nbytes))
 
     # -- sending
 
@@ -377,8 +373,7 @@ class _Link:
         cts = self._take(self.cts, f"the clear-to-send of {tag}")
         if cts.tag != tag or cts.nbytes != nbytes:
             self.send_control(Control(ABORT, tag, nbytes, xfer=cts.xfer))
-            raise HetCCLMismatchError(f"rank {self.peer} expected {cts.tag} with {cts.nbytes} bytes from rank "
-                                      f"{self.border.rank}, got {tag} with {nbytes} bytes")
+            raise mismatch(self.peer, cts.tag, cts.nbytes, self.border.rank, tag, nbytes)
         spans = chunks(nbytes, cts.chunk)
         if not spans:
             handle.finish()
@@ -442,15 +437,15 @@ class _Link:
         self.qp.close()
 
 
-class RdmaBorder:
-    """Border over RDMA RC queue pairs, one per peer, connected on first use through
+class RdmaBorder(ByteCounter):
+    """Border over RDMA RC queue pairs, one per peer, all connected by :meth:`connect` through
     ``rendezvous`` (``put(key, record)``, ``wait(keys, deadline)``)."""
 
     def __init__(self, rank: int, nic: Nic, rendezvous: Any, chunk_bytes: int = CHUNK_BYTES, depth: int = DEPTH,
                  timeout_s: float = 60.0) -> None:
+        super().__init__()
         self.rank, self.nic, self.rendezvous = rank, nic, rendezvous
         self.chunk_bytes, self.depth, self.timeout_s = chunk_bytes, depth, timeout_s
-        self.bytes_sent = self.bytes_received = 0
         self.closed = False
         self.router = CompletionRouter()
         self.mrs = MRCache(nic.register, nic.deregister)
@@ -463,18 +458,12 @@ class RdmaBorder:
     def __repr__(self) -> str:
         return f"RdmaBorder(rank={self.rank}, nic={self.nic.name}, links={sorted(self._links)})"
 
-    def count(self, sent: int = 0, received: int = 0) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
-
-    def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: Optional[float] = None) -> Handle:
+    def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
         handle = Handle(peer, "send")
         self._link(peer).sends.put((tag, buf, handle))
         return handle
 
-    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None,
-              timeout_s: Optional[float] = None) -> Handle:
+    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None) -> Handle:
         handle = Handle(peer, "recv")
         link = self._link(peer)
         if link.error is not None:

@@ -22,7 +22,7 @@ import torch
 
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import HEADER_SIZE, Handle, Tag, chunks
+from hetccl_ray.transport.base import HEADER_SIZE, ByteCounter, Handle, Tag, chunks, mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +129,7 @@ class _Link:
         _recv_exact(self.sock, memoryview(raw))
         got, sent = Tag.parse(bytes(raw))
         if got != tag or sent != nbytes:
-            raise HetCCLMismatchError(
-                f"rank {self.owner.rank} expected {tag} with {nbytes} bytes from rank {self.peer}, "
-                f"got {got} with {sent} bytes"
-            )
+            raise mismatch(self.owner.rank, tag, nbytes, self.peer, got, sent)
         if op is None and buf.device.type == "cpu":
             _recv_exact(self.sock, _byte_view(buf))
         else:
@@ -168,13 +165,12 @@ class _Link:
             thread.join(timeout=5)
 
 
-class TcpBorder:
+class TcpBorder(ByteCounter):
     """Border over TCP sockets. The lower rank of a pair connects; the higher accepts."""
 
     def __init__(self, rank: int, bind_host: str) -> None:
+        super().__init__()
         self.rank = rank
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self.rejected = 0
         self._secret = b""
         self._ready = threading.Event()
@@ -193,11 +189,6 @@ class TcpBorder:
 
     def __repr__(self) -> str:
         return f"TcpBorder(rank={self.rank}, address={self.address}, links={sorted(self._links)})"
-
-    def count(self, sent: int = 0, received: int = 0) -> None:
-        with self._cond:
-            self.bytes_sent += sent
-            self.bytes_received += received
 
     def set_peers(self, addresses: dict[int, tuple[str, int]], secret: bytes) -> None:
         """Where every other rank listens, and the group's secret (from the rendezvous)."""
