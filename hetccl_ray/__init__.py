@@ -16,13 +16,13 @@ from hetccl_ray.collective import torch_backend
 from hetccl_ray.collective.group import BACKEND, HetCCLGroup
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.rendezvous import options_key, put_raw
-from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLMismatchError, HetCCLPeerError,
-                               HetCCLTimeoutError)
+from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
+                               HetCCLPeerError, HetCCLTimeoutError, HetCCLTypeError)
 from hetccl_ray.topology import ISLAND_LABEL, Topology
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND", "GroupOptions", "HetCCLGroup", "HetCCLError", "HetCCLTimeoutError", "HetCCLPeerError",
-           "HetCCLMismatchError", "HetCCLBrokenError", "ISLAND_LABEL", "Topology", "register", "setup_worker",
+           "HetCCLMismatchError", "HetCCLBrokenError", "HetCCLInputError", "HetCCLTypeError", "ISLAND_LABEL", "Topology", "register", "setup_worker",
            "set_group_options", "create_collective_group", "get_group", "get_torch_group", "border_stats"]
 
 _NAME_GRACE_S = 10.0

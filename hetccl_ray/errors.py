@@ -21,3 +21,12 @@ class HetCCLMismatchError(HetCCLError):
 
 class HetCCLBrokenError(HetCCLError):
     """The group failed earlier; destroy and re-create it."""
+
+
+class HetCCLInputError(HetCCLError, ValueError):
+    """Bad input to a call (size, shape, list length, rank, root, reduce op). A ``ValueError``
+    as before, and a ``RuntimeError`` as Ray's own gloo/nccl backends raise for it."""
+
+
+class HetCCLTypeError(HetCCLInputError, TypeError):
+    """An input of an unsupported type or dtype: also a ``TypeError``."""

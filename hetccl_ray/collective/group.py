@@ -32,8 +32,8 @@ from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.rendezvous import Rendezvous, StoreRendezvous, get_raw, options_key
 from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
-from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLMismatchError, HetCCLPeerError,
-                               HetCCLTimeoutError)
+from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
+                               HetCCLPeerError, HetCCLTimeoutError)
 from hetccl_ray.topology import Topology, island_for
 from hetccl_ray.transport import verbs
 from hetccl_ray.transport.base import Tag
@@ -324,14 +324,14 @@ class HetCCLGroup(BaseGroup):
     def _one(self, tensors: Any, what: str) -> Any:
         if isinstance(tensors, (list, tuple)):
             if len(tensors) != 1:
-                raise ValueError(f"group '{self.group_name}': {what} takes one tensor per rank, got a list of "
+                raise HetCCLInputError(f"group '{self.group_name}': {what} takes one tensor per rank, got a list of "
                                  f"{len(tensors)} (multi-GPU lists are not supported by hetccl)")
             return tensors[0]
         return tensors
 
     def _rank_arg(self, rank: int, what: str) -> int:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"group '{self.group_name}': {what} {rank!r} is not a rank of this group of "
+            raise HetCCLInputError(f"group '{self.group_name}': {what} {rank!r} is not a rank of this group of "
                              f"{self.world_size} (0..{self.world_size - 1})")
         return rank
 
@@ -339,7 +339,7 @@ class HetCCLGroup(BaseGroup):
         tensor_list = self._one(lists, what)
         if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != self.world_size:
             got = len(tensor_list) if isinstance(tensor_list, (list, tuple)) else type(tensor_list).__name__
-            raise ValueError(f"group '{self.group_name}': {what} must be a list of world_size="
+            raise HetCCLInputError(f"group '{self.group_name}': {what} must be a list of world_size="
                              f"{self.world_size} tensors, got {got}")
         return [Operand(t) for t in tensor_list]
 
@@ -347,7 +347,7 @@ class HetCCLGroup(BaseGroup):
     def _reduce_op(options: Any) -> str:
         op = getattr(options, "reduceOp", ReduceOp.SUM)
         if op not in _RAY_OPS:
-            raise ValueError(f"unsupported reduce op {op!r}; supported: SUM, PRODUCT, MIN, MAX")
+            raise HetCCLInputError(f"unsupported reduce op {op!r}; supported: SUM, PRODUCT, MIN, MAX")
         return _RAY_OPS[op]
 
     # -- BaseGroup ops ---------------------------------------------------------------------------
@@ -410,7 +410,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self._one(tensor, op))
         peer = self._rank_arg(peer, f"{op} peer")
         if peer == self.rank:
-            raise ValueError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
+            raise HetCCLInputError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
         self._run(Call(op, x.flat.dtype, x.numel), x.flat.device, lambda ctx: plan(ctx, x.flat, peer), peer=peer)
         return x
 

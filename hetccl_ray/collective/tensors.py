@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hetccl_ray.errors import HetCCLInputError, HetCCLTypeError
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
                     torch.int32, torch.int64, torch.uint8)
 _NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
@@ -23,18 +25,18 @@ def to_torch(tensor: Any) -> torch.Tensor:
         out = tensor
     elif isinstance(tensor, np.ndarray):
         if tensor.dtype.kind not in "fiu" or tensor.dtype.byteorder == ">":
-            raise TypeError(f"unsupported numpy dtype {tensor.dtype}; supported: {_NAMES}")
+            raise HetCCLTypeError(f"unsupported numpy dtype {tensor.dtype}; supported: {_NAMES}")
         out = torch.from_numpy(np.ascontiguousarray(tensor) if tensor.strides and min(tensor.strides) < 0
                                else tensor)
     elif hasattr(tensor, "__cuda_array_interface__") or hasattr(tensor, "__dlpack__"):
         out = torch.from_dlpack(tensor)
     else:
-        raise TypeError(f"unsupported tensor type {type(tensor).__name__}; supported: numpy.ndarray, "
+        raise HetCCLTypeError(f"unsupported tensor type {type(tensor).__name__}; supported: numpy.ndarray, "
                         "torch.Tensor, cupy.ndarray")
     if out.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {out.dtype}; supported: {_NAMES}")
+        raise HetCCLTypeError(f"unsupported dtype {out.dtype}; supported: {_NAMES}")
     if out.is_sparse or out.is_quantized:
-        raise TypeError("sparse and quantized tensors are not supported; pass a dense tensor")
+        raise HetCCLTypeError("sparse and quantized tensors are not supported; pass a dense tensor")
     return out
 
 
@@ -70,7 +72,7 @@ def same_kind(reference: Operand, others: list[Operand], what: str) -> None:
     for i, other in enumerate(others):
         if (other.flat.dtype, other.flat.device, other.numel) != (
                 reference.flat.dtype, reference.flat.device, reference.numel):
-            raise ValueError(
+            raise HetCCLInputError(
                 f"{what}[{i}] is {other.flat.dtype} on {other.flat.device} with {other.numel} elements; "
                 f"expected {reference.flat.dtype} on {reference.flat.device} with {reference.numel}")
 

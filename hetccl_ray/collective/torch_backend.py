@@ -21,6 +21,7 @@ from ray.util.collective.types import ReduceOp as RayReduceOp
 
 from hetccl_ray.collective.group import HetCCLGroup
 from hetccl_ray.collective.options import GroupOptions
+from hetccl_ray.errors import HetCCLInputError
 
 NAME = "hetccl"
 _REDUCE = {dist.ReduceOp.SUM: RayReduceOp.SUM, dist.ReduceOp.PRODUCT: RayReduceOp.PRODUCT,
@@ -38,7 +39,7 @@ def _reduce_op(opts) -> tuple[SimpleNamespace, bool]:
     """Ray-style options for the group, and whether to divide by world size (AVG)."""
     op = opts.reduceOp.op if hasattr(opts.reduceOp, "op") else opts.reduceOp
     if op not in _REDUCE:
-        raise ValueError(f"hetccl does not support reduce op {op}; supported: SUM, AVG, PRODUCT, MIN, MAX")
+        raise HetCCLInputError(f"hetccl does not support reduce op {op}; supported: SUM, AVG, PRODUCT, MIN, MAX")
     return SimpleNamespace(reduceOp=_REDUCE[op]), op == dist.ReduceOp.AVG
 
 
