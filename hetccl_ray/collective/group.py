@@ -26,10 +26,11 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, BarrierOptions, BroadcastOptions,
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
-from hetccl_ray.collective import plans
-from hetccl_ray.collective.calls import OP_CODES, Call, disagreement
+from hetccl_ray.collective import plans, tree
+from hetccl_ray.collective.calls import OP_CODES, Call
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
+from hetccl_ray.collective.reduction import copy
 from hetccl_ray.collective.rendezvous import Rendezvous, StoreRendezvous, get_raw, options_key
 from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
@@ -163,8 +164,9 @@ class HetCCLGroup(BaseGroup):
                                       f"but ranks {sorted(disagree)} have {sorted(set(disagree.values()))}")
         self.topology = Topology.from_islands([rec["island"] for rec in records], self.options.max_lanes)
         self.border.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank},
-                              bytes.fromhex(records[0]["secret"]))
+                              bytes.fromhex(records[0]["secret"]), frozenset(self.island.ranks) - {rank})
         try:
+            self.border.connect_all(max(deadline - time.monotonic(), 1.0))
             self._connect_border(found, records, deadline)
         except HetCCLError:
             self._abandon()
@@ -172,6 +174,8 @@ class HetCCLGroup(BaseGroup):
         self._store_address = (records[0]["host"], records[0]["store_port"])
         self._progress = _Progress(self._rendezvous, rank)
         self._island_for(torch.device("cpu"))
+        self.small_bytes = {op: 256 << 10 if self.options.small_bytes is None else self.options.small_bytes
+                            for op in ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")}
         logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
 
     def __repr__(self) -> str:
@@ -253,12 +257,17 @@ class HetCCLGroup(BaseGroup):
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
-    def _run(self, call: Call, device: torch.device, body: Callable[[plans.PlanContext], Any],
-             peer: Optional[int] = None) -> Any:
-        """Run one op's plan ``body`` under the group's sequence number, deadline and error
-        state; collectives first check that every rank made the same ``call``. A call of no
-        elements runs no body, and a barrier none when the check (an allgather, so itself a
-        barrier) ran."""
+    def _run(self, call: Call, device: torch.device, body: Optional[Callable[[plans.PlanContext], Any]],
+             small: Optional[Callable[[plans.PlanContext, Call], Optional[str]]] = None,
+             peer: Optional[int] = None) -> None:
+        """Run one op under the group's sequence number, deadline and error state.
+
+        A collective on a CPU buffer up to the small-message threshold runs ``small`` (one
+        round of tree.py, whose messages also carry every rank's call); a larger one first
+        runs that round with no data (unless ``check_calls`` is off), then its plan ``body``.
+        Either way a rank that called something else is named on every rank before any
+        user buffer is written, and the group stays usable. A barrier is the round itself.
+        """
         with self._lock:
             if self._broken is not None:
                 raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
@@ -271,17 +280,23 @@ class HetCCLGroup(BaseGroup):
                 self._p2p_seq[call.op, peer] += 1
                 seq = self._p2p_seq[call.op, peer]
             where = f"{call.op} #{seq} in group '{self.group_name}' on rank {self.rank}"
-            started, before = time.monotonic(), self.border.bytes_sent
+            before = self.border.bytes_sent
             ctx = plans.PlanContext(self.topology, self.rank, self._island_for(device), self.border,
                                     Tag(OP_CODES[call.op], seq, dtype_code(call.dtype)),
-                                    started + self.options.timeout_s, self._scratch, self._pipeline,
-                                    self.options.piece_bytes)
+                                    time.monotonic() + self.options.timeout_s, self._scratch, self._pipeline,
+                                    self.options.piece_bytes, self.border.default)
+            problem = None
             try:
-                checked = peer is None and self.options.check_calls and self.world_size > 1
-                problem = self._disagreement(ctx, replace(call, seq=seq)) if checked else None
-                before = self.border.bytes_sent  # the check's bytes are counted as "check"
-                if problem is None:
-                    return body(ctx) if call.numel or (call.op == "barrier" and not checked) else None
+                if peer is not None or self.world_size == 1:
+                    if body is not None and call.numel:
+                        body(ctx)
+                elif small is not None and device.type == "cpu" and self._small(call):
+                    problem = small(ctx, replace(call, seq=seq))
+                else:
+                    if self.options.check_calls or body is None:
+                        problem = tree.check(ctx, replace(call, seq=seq))
+                    if problem is None and body is not None and call.numel:
+                        body(ctx)
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
@@ -289,17 +304,15 @@ class HetCCLGroup(BaseGroup):
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
-            # every rank saw every call and no data moved: the group stays usable
-            raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
+            if problem is not None:  # every rank saw every call and no user buffer changed: still usable
+                raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
 
-    def _disagreement(self, ctx: plans.PlanContext, call: Call) -> Optional[str]:
-        """Which ranks called what, if they did not all make ``call``."""
-        check = replace(ctx, island=self._island_for(torch.device("cpu")),
-                        tag=Tag(OP_CODES["check"], call.seq, dtype_code(torch.int64)))
-        before = self.border.bytes_sent
-        rows = plans.gather_rows(check, call.encode())
-        self._sent_by_op["check"] += self.border.bytes_sent - before
-        return disagreement([Call.decode(row) for row in rows])
+    def _small(self, call: Call) -> bool:
+        """Whether a call goes by the small-message round: its buffer (nccl-tests' size) is at
+        most the group's threshold for that op."""
+        per_rank = call.numel * torch.tensor([], dtype=call.dtype).element_size()
+        whole = per_rank * (self.world_size if call.op in ("allgather", "reducescatter") else 1)
+        return whole <= self.small_bytes.get(call.op, 0)
 
     def _explain(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
         """The error to raise: what failed, where, and which ranks did not arrive."""
@@ -356,11 +369,11 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self._one(tensor, "allreduce"))
         op = self._reduce_op(allreduce_options)
         self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat.device,
-                  lambda ctx: plans.allreduce(ctx, x.flat, op))
+                  lambda ctx: plans.allreduce(ctx, x.flat, op), lambda ctx, c: tree.allreduce(ctx, c, x.flat, op))
         x.write_back()
 
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
-        self._run(Call("barrier", torch.uint8, 0), torch.device("cpu"), plans.barrier)
+        self._run(Call("barrier", torch.uint8, 0), torch.device("cpu"), None)
 
     def reduce(self, tensor: Any, reduce_options: Any = ReduceOptions()) -> None:
         x = Operand(self._one(tensor, "reduce"))
@@ -368,7 +381,7 @@ class HetCCLGroup(BaseGroup):
         op = self._reduce_op(reduce_options)
         work = x.flat if self.rank == root else x.flat.clone()
         self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat.device,
-                  lambda ctx: plans.reduce(ctx, work, root, op))
+                  lambda ctx: plans.reduce(ctx, work, root, op), lambda ctx, c: tree.reduce(ctx, c, work, root, op))
         if self.rank == root:
             x.write_back()
 
@@ -376,7 +389,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self._one(tensor, "broadcast"))
         root = self._rank_arg(broadcast_options.root_rank, "broadcast root")
         self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat.device,
-                  lambda ctx: plans.broadcast(ctx, x.flat, root))
+                  lambda ctx: plans.broadcast(ctx, x.flat, root), lambda ctx, c: tree.broadcast(ctx, c, x.flat, root))
         x.write_back()
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
@@ -386,10 +399,11 @@ class HetCCLGroup(BaseGroup):
         n, order = x.numel, self.topology.island_major_order()
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
         slot = order.index(self.rank)
-        buf[slot * n:(slot + 1) * n].copy_(x.flat)
-        self._run(Call("allgather", x.flat.dtype, n), x.flat.device, lambda ctx: plans.allgather(ctx, buf))
+        copy(buf[slot * n:(slot + 1) * n], x.flat)
+        self._run(Call("allgather", x.flat.dtype, n), x.flat.device, lambda ctx: plans.allgather(ctx, buf),
+                  lambda ctx, c: tree.allgather(ctx, c, buf))
         for slot, rank in enumerate(order):
-            outputs[rank].flat.copy_(buf[slot * n:(slot + 1) * n])
+            copy(outputs[rank].flat, buf[slot * n:(slot + 1) * n])
             outputs[rank].write_back()
 
     def reducescatter(self, tensor: Any, tensor_list: Any,
@@ -401,9 +415,10 @@ class HetCCLGroup(BaseGroup):
         n, order = out.numel, self.topology.island_major_order()
         buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
         for slot, rank in enumerate(order):
-            buf[slot * n:(slot + 1) * n].copy_(inputs[rank].flat)
+            copy(buf[slot * n:(slot + 1) * n], inputs[rank].flat)
         self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat.device,
-                  lambda ctx: out.flat.copy_(plans.reducescatter(ctx, buf, op)))
+                  lambda ctx: copy(out.flat, plans.reducescatter(ctx, buf, op)),
+                  lambda ctx, c: tree.reducescatter(ctx, c, buf, out.flat, op))
         out.write_back()
 
     def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> Operand:

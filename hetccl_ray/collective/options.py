@@ -29,9 +29,13 @@ class GroupOptions:
         overlapping the island stages of the next (``HETCCL_PIECE_BYTES``).
     transport: "auto" (RDMA to a peer when both ends have a usable port, else TCP), "tcp" or
         "rdma" (an error where an end has no RDMA port) (``HETCCL_TRANSPORT``).
-    check_calls: before each collective, ranks compare what they called (op, dtype, count,
-        root, reduce op) in one tiny allgather and raise on a mismatch, naming the ranks
-        (``HETCCL_CHECK_CALLS=0`` turns it off to save that latency).
+    check_calls: before a large collective, ranks compare what they called (op, dtype,
+        count, root, reduce op) in one round of rows (tree.py) and raise on a mismatch, naming
+        the ranks (``HETCCL_CHECK_CALLS=0`` saves that round; small collectives carry the rows
+        in their own messages, so they are always checked).
+    small_bytes: collectives on CPU buffers up to this size (nccl-tests' size: the gathered
+        output of allgather, the input of reducescatter) take the small-message round
+        (``HETCCL_SMALL_BYTES``; default: from the cost model measured at formation).
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("HETCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
@@ -42,12 +46,16 @@ class GroupOptions:
     piece_bytes: int = field(default_factory=lambda: int(_env_float("HETCCL_PIECE_BYTES", 4 << 20)))
     transport: str = field(default_factory=lambda: os.environ.get("HETCCL_TRANSPORT") or "auto")
     check_calls: bool = field(default_factory=lambda: os.environ.get("HETCCL_CHECK_CALLS", "1") != "0")
+    small_bytes: Optional[int] = field(default_factory=lambda: int(os.environ["HETCCL_SMALL_BYTES"])
+                                       if os.environ.get("HETCCL_SMALL_BYTES") else None)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {self.piece_bytes}")
+        if self.small_bytes is not None and self.small_bytes < 0:
+            raise ValueError(f"small_bytes must be >= 0, got {self.small_bytes}")
         if self.max_lanes is not None and self.max_lanes < 1:
             raise ValueError(f"max_lanes must be >= 1, got {self.max_lanes}")
         if self.transport not in TRANSPORTS:

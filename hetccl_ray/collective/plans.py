@@ -65,6 +65,7 @@ class PlanContext:
     scratch: ScratchPool = field(default_factory=ScratchPool)
     pipeline: Optional[Executor] = None  # one thread: border stages overlap island stages
     piece_bytes: int = 4 << 20
+    direct: Optional[Border] = None  # the TCP border to every rank: small-message rounds (tree.py)
 
     @property
     def my_island(self):
@@ -271,20 +272,6 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
             ctx.exchange(sends=[(peers[root_island.index], part)], recvs=[])
     if isl.index == root_island.index:
         ctx.island.gather(buf, counts, topo.local_rank(root))
-
-
-def gather_rows(ctx: PlanContext, row: Sequence[int]) -> list[list[int]]:
-    """Every rank's row of small integers on every rank, by group rank: one tiny allgather."""
-    topo, width = ctx.topo, len(row)
-    order = topo.island_major_order()
-    if topo.world_size == 1:
-        return [list(row)]
-    buf = torch.zeros(width * topo.world_size, dtype=torch.int64)
-    slot = order.index(ctx.rank)
-    buf[slot * width:(slot + 1) * width] = torch.tensor(row, dtype=torch.int64)
-    allgather(ctx, buf)
-    rows = buf.view(-1, width).tolist()
-    return [rows[order.index(rank)] for rank in range(topo.world_size)]
 
 
 def barrier(ctx: PlanContext) -> None:

@@ -11,8 +11,8 @@ import torch
 
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 
-# magic, op code, sequence number, dtype code, payload bytes
-_HEADER = struct.Struct("!4sIQIQ")
+# magic, op code, sequence number, dtype code, payload bytes, control bytes after the header
+_HEADER = struct.Struct("!4sIQIQI")
 HEADER_SIZE = _HEADER.size
 _MAGIC = b"HCCL"
 
@@ -25,15 +25,16 @@ class Tag:
     seq: int
     dtype: int
 
-    def header(self, nbytes: int) -> bytes:
-        return _HEADER.pack(_MAGIC, self.op, self.seq, self.dtype, nbytes)
+    def header(self, nbytes: int, extra: int = 0) -> bytes:
+        return _HEADER.pack(_MAGIC, self.op, self.seq, self.dtype, nbytes, extra)
 
     @staticmethod
-    def parse(raw: bytes) -> tuple["Tag", int]:
-        magic, op, seq, dtype, nbytes = _HEADER.unpack(raw)
+    def parse(raw: bytes) -> tuple["Tag", int, int]:
+        """The tag, payload bytes and control bytes of a message header."""
+        magic, op, seq, dtype, nbytes, extra = _HEADER.unpack(raw)
         if magic != _MAGIC:
             raise ValueError(f"bad border message magic {magic!r}")
-        return Tag(op, seq, dtype), nbytes
+        return Tag(op, seq, dtype), nbytes, extra
 
 
 def mismatch(receiver: int, expected: Tag, nbytes: int, sender: int, got: Tag, got_bytes: int) -> HetCCLMismatchError:
@@ -67,8 +68,14 @@ class Handle:
     def __init__(self, peer: int, kind: str) -> None:
         self.peer = peer
         self.kind = kind
+        self.extra = b""  # control bytes that came with a received message
+        self.spill: Optional[bytearray] = None  # a flexible receive's payload of an unexpected size
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def finish(self, error: Optional[BaseException] = None) -> None:
         self._error = error

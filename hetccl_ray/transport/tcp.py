@@ -1,22 +1,27 @@
-"""TCP border: one authenticated duplex connection per peer, zero-copy ``recv_into``.
+"""TCP border: one authenticated duplex connection per peer, driven by the waiting thread.
 
-Each connection has a sender thread and a receiver thread working through FIFO queues, so
-a send and a receive with the same peer run at once and an exchange never deadlocks.
-Messages carry a small header (op, sequence, dtype, size) that the receiver checks.
+No thread sits on the data path: ``isend`` writes what the socket takes at once (a small
+message leaves in one ``sendmsg`` before ``isend`` returns), and whoever waits on a handle
+drives every pending send and receive of the border through non-blocking sockets and
+``select`` until its handle is done. Sends and receives with one peer progress together,
+so an exchange never deadlocks. Messages carry a header (op, sequence, dtype, payload
+size, control size) that the receiver checks, then optional control bytes (the call rows
+of the small-message plans), then the payload, received straight into the destination.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
 import os
-import queue
+import select
 import socket
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -28,18 +33,23 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
 REDUCE_CHUNK_BYTES = 256 << 10  # received partials are reduced in pieces that stay in cache
+SPILL_LIMIT = 256 << 20  # the largest payload a flexible receive takes in place of the expected one
 _CHALLENGE = 16
 _RANK = struct.Struct("!I")
 _DIGEST = hashlib.sha256().digest_size
 _HANDSHAKE_TIMEOUT_S = 5.0
+_POLL_S = 0.05
 
 
 def _byte_view(buf: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
+    if not buf.numel():
+        return memoryview(bytearray())
     return memoryview(buf.reshape(-1).view(torch.uint8).numpy())
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Blocking receive of exactly ``len(view)`` bytes (handshakes only)."""
     got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], min(n - got, CHUNK_BYTES))
@@ -52,131 +62,230 @@ def _proof(secret: bytes, challenge: bytes, rank: int) -> bytes:
     return hmac.new(secret, challenge + _RANK.pack(rank), hashlib.sha256).digest()
 
 
+class _DrivenHandle(Handle):
+    """A handle whose ``wait`` drives the border's sockets until it is done."""
+
+    def __init__(self, border: "TcpBorder", peer: int, kind: str) -> None:
+        super().__init__(peer, kind)
+        self._border = border
+
+    def wait(self, timeout_s: float) -> None:
+        self._border.drive(self, timeout_s)
+        super().wait(0)
+
+
+def _staged_views(buf: torch.Tensor, slots: torch.Tensor) -> Iterator[memoryview]:
+    """A device tensor's bytes through two pinned host slots: chunk i+1 is copied while i is sent."""
+    flat = buf.reshape(-1).view(torch.uint8)
+    spans = chunks(flat.numel(), CHUNK_BYTES)
+
+    def launch(i: int) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+        offset, length = spans[i]
+        slot = slots[i % 2, :length]
+        slot.copy_(flat[offset:offset + length], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return slot, copied
+
+    pending = launch(0) if spans else None
+    for i in range(len(spans)):
+        slot, copied = pending
+        copied.synchronize()
+        if i + 1 < len(spans):
+            pending = launch(i + 1)
+        yield memoryview(slot.numpy())
+
+
+class _Outgoing:
+    """One message on its way out: header and control bytes, then the payload's views."""
+
+    def __init__(self, tag: Tag, buf: torch.Tensor, extra: bytes, handle: Handle, link: "_Link") -> None:
+        self.handle, self.nbytes = handle, buf.numel() * buf.element_size()
+        self.pending = [memoryview(tag.header(self.nbytes, len(extra)) + extra)]
+        if buf.device.type == "cpu":
+            self.pending.append(_byte_view(buf))
+            self.later: Iterator[memoryview] = iter(())
+        else:
+            self.later = _staged_views(buf, link.send_slots())
+
+    def step(self, sock: socket.socket) -> bool:
+        """Write what the socket takes; True when the whole message is out."""
+        while True:
+            self.pending = [view for view in self.pending if len(view)]
+            if not self.pending:
+                nxt = next(self.later, None)
+                if nxt is None:
+                    return True
+                self.pending.append(nxt)
+                continue
+            sent = sock.sendmsg(self.pending[:16])
+            while sent:
+                head = self.pending[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    self.pending.pop(0)
+                else:
+                    self.pending[0] = head[sent:]
+                    sent = 0
+
+
+class _Incoming:
+    """One posted receive: header, control bytes, then the payload into ``buf`` (reduced with
+    ``op``, or staged through host memory for a device tensor)."""
+
+    def __init__(self, tag: Tag, buf: torch.Tensor, op: Optional[str], flexible: bool, handle: Handle) -> None:
+        self.tag, self.buf, self.op, self.flexible, self.handle = tag, buf, op, flexible, handle
+        self.nbytes = buf.numel() * buf.element_size()
+        self.header = bytearray(HEADER_SIZE)
+        self.view, self.got = memoryview(self.header), 0
+        self.phase = "header"
+        self.extra = bytearray()
+        self.piece_start = 0  # staged payloads: element offset of the piece now landing
+
+    def step(self, link: "_Link") -> bool:
+        """Read what the socket has; True when the whole message is in."""
+        while True:
+            if self.got == len(self.view):
+                if self._advance(link):
+                    return True
+                continue
+            k = link.sock.recv_into(self.view[self.got:], min(len(self.view) - self.got, CHUNK_BYTES))
+            if k == 0:
+                raise ConnectionError("connection closed by peer")
+            self.got += k
+
+    def _advance(self, link: "_Link") -> bool:
+        """The current part is complete: check it and set up the next; True at the end."""
+        if self.phase == "header":
+            got, sent, extra = Tag.parse(bytes(self.header))
+            if got != self.tag or (sent != self.nbytes and not self.flexible):
+                raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
+            if sent != self.nbytes:
+                if sent > SPILL_LIMIT:
+                    raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
+                self.handle.spill = bytearray(sent)
+            self.sent = sent
+            self.phase, self.extra = "extra", bytearray(extra)
+            return self._expect(memoryview(self.extra))
+        if self.phase == "extra":
+            self.handle.extra = bytes(self.extra)
+            self.phase = "payload"
+            if self.handle.spill is not None:
+                return self._expect(memoryview(self.handle.spill))
+            if self.op is None and self.buf.device.type == "cpu":
+                return self._expect(_byte_view(self.buf))
+            return self._expect(self._landing(link))
+        if self.handle.spill is not None or (self.op is None and self.buf.device.type == "cpu"):
+            return True
+        flat = self.buf.reshape(-1)
+        n = len(self.view) // flat.element_size()
+        piece = flat[self.piece_start:self.piece_start + n]
+        received = link.staging[:len(self.view)].view(piece.dtype).to(piece.device)
+        if self.op is None:
+            piece.copy_(received)
+        else:
+            combine(piece, received, self.op)
+        self.piece_start += n
+        return self.piece_start >= flat.numel() or self._expect(self._landing(link))
+
+    def _landing(self, link: "_Link") -> memoryview:
+        """Host bytes for the next piece of a staged payload."""
+        flat = self.buf.reshape(-1)
+        step = max(REDUCE_CHUNK_BYTES // flat.element_size(), 1)
+        n = min(step, flat.numel() - self.piece_start)
+        return memoryview(link.staging_for(step * flat.element_size())[:n * flat.element_size()].numpy())
+
+    def _expect(self, view: memoryview) -> bool:
+        self.view, self.got = view, 0
+        return False
+
+
 class _Link:
-    """One connection to one peer: a sender thread and a receiver thread."""
+    """One connection to one peer: FIFO queues of outgoing and posted incoming messages."""
 
     def __init__(self, owner: "TcpBorder", peer: int, sock: socket.socket) -> None:
         self.owner, self.peer, self.sock = owner, peer, sock
+        self.counted = peer not in owner.local
         self.error: Optional[BaseException] = None
         self.staging: Optional[torch.Tensor] = None
-        self.send_staging: Optional[torch.Tensor] = None
-        self.sends: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.recvs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.threads = [
-            threading.Thread(target=self._loop, args=(self.sends, self._send_one), daemon=True,
-                             name=f"hetccl-send-{owner.rank}->{peer}"),
-            threading.Thread(target=self._loop, args=(self.recvs, self._recv_one), daemon=True,
-                             name=f"hetccl-recv-{owner.rank}<-{peer}"),
-        ]
-        for thread in self.threads:
-            thread.start()
+        self._send_slots: Optional[torch.Tensor] = None
+        self.sends: "collections.deque[_Outgoing]" = collections.deque()
+        self.recvs: "collections.deque[_Incoming]" = collections.deque()
 
-    def _loop(self, work: "queue.SimpleQueue", step) -> None:
-        while True:
-            item = work.get()
-            if item is None:
-                return
-            handle = item[-1]
-            if self.error is not None:
-                handle.finish(self.error)
-                continue
-            try:
-                step(*item[:-1])
-                handle.finish()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                if not isinstance(exc, (HetCCLMismatchError, HetCCLPeerError)):
-                    exc = HetCCLPeerError(f"border link rank {self.owner.rank} <-> rank {self.peer} failed: {exc}")
-                self.error = exc
-                handle.finish(exc)
+    def send_slots(self) -> torch.Tensor:
+        if self._send_slots is None:
+            self._send_slots = torch.empty(2, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        return self._send_slots
 
-    def _send_one(self, tag: Tag, buf: torch.Tensor) -> None:
-        nbytes = buf.numel() * buf.element_size()
-        self.sock.sendall(tag.header(nbytes))
-        if buf.device.type == "cpu":
-            view = _byte_view(buf)
-            for offset, length in chunks(nbytes, CHUNK_BYTES):
-                self.sock.sendall(view[offset:offset + length])
-        else:
-            self._send_staged(buf, nbytes)
-        self.owner.count(sent=nbytes)
+    def staging_for(self, nbytes: int) -> torch.Tensor:
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self.staging
 
-    def _send_staged(self, buf: torch.Tensor, nbytes: int) -> None:
-        """A device tensor through two pinned host slots: the copy of chunk i+1 runs while chunk i is sent."""
-        flat = buf.reshape(-1).view(torch.uint8)
-        spans = chunks(nbytes, CHUNK_BYTES)
-        if self.send_staging is None:
-            self.send_staging = torch.empty(2, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+    def progress(self) -> bool:
+        """Move every queued message as far as the socket allows; True if one finished."""
+        finished = False
+        try:
+            while self.sends:
+                try:
+                    if not self.sends[0].step(self.sock):
+                        break
+                except (BlockingIOError, InterruptedError):
+                    break
+                out = self.sends.popleft()
+                self.owner.count(sent=out.nbytes if self.counted else 0)
+                out.handle.finish()
+                finished = True
+            while self.recvs:
+                try:
+                    if not self.recvs[0].step(self):
+                        break
+                except (BlockingIOError, InterruptedError):
+                    break
+                inc = self.recvs.popleft()
+                self.owner.count(received=inc.sent if self.counted else 0)
+                inc.handle.finish()
+                finished = True
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
+            self.fail(exc)
+            finished = True
+        return finished
 
-        def launch(i: int) -> tuple[torch.Tensor, "torch.cuda.Event"]:
-            offset, length = spans[i]
-            slot = self.send_staging[i % 2, :length]
-            slot.copy_(flat[offset:offset + length], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            return slot, copied
-
-        pending = launch(0)
-        for i in range(len(spans)):
-            slot, copied = pending
-            copied.synchronize()
-            if i + 1 < len(spans):
-                pending = launch(i + 1)
-            self.sock.sendall(memoryview(slot.numpy()))
-
-    def _recv_one(self, tag: Tag, buf: torch.Tensor, op: Optional[str]) -> None:
-        nbytes = buf.numel() * buf.element_size()
-        raw = bytearray(HEADER_SIZE)
-        _recv_exact(self.sock, memoryview(raw))
-        got, sent = Tag.parse(bytes(raw))
-        if got != tag or sent != nbytes:
-            raise mismatch(self.owner.rank, tag, nbytes, self.peer, got, sent)
-        if op is None and buf.device.type == "cpu":
-            _recv_exact(self.sock, _byte_view(buf))
-        else:
-            self._recv_staged(buf, op)
-        self.owner.count(received=nbytes)
-
-    def _recv_staged(self, buf: torch.Tensor, op: Optional[str]) -> None:
-        """Receive through a small host buffer: reduce into ``buf`` (``op``) or copy to the device."""
-        flat = buf.reshape(-1)
-        step = max(REDUCE_CHUNK_BYTES // flat.element_size(), 1)
-        if self.staging is None or self.staging.numel() < step * flat.element_size():
-            self.staging = torch.empty(step * flat.element_size(), dtype=torch.uint8,
-                                       pin_memory=torch.cuda.is_available())
-        for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
-            landing = self.staging[:piece.numel() * piece.element_size()]
-            _recv_exact(self.sock, memoryview(landing.numpy()))
-            received = landing.view(piece.dtype).to(piece.device, non_blocking=False)
-            if op is None:
-                piece.copy_(received)
-            else:
-                combine(piece, received, op)
+    def fail(self, exc: BaseException) -> None:
+        """The link is unusable: every queued message ends with the error, and so will later ones."""
+        if not isinstance(exc, (HetCCLMismatchError, HetCCLPeerError)):
+            exc = HetCCLPeerError(f"border link rank {self.owner.rank} <-> rank {self.peer} failed: {exc}")
+        self.error = self.error or exc
+        for queue in (self.sends, self.recvs):
+            while queue:
+                queue.popleft().handle.finish(self.error)
 
     def close(self) -> None:
-        for work in (self.sends, self.recvs):
-            work.put(None)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
-        for thread in self.threads:
-            thread.join(timeout=5)
+        self.fail(HetCCLPeerError(f"border of rank {self.owner.rank} closed"))
 
 
 class TcpBorder(ByteCounter):
-    """Border over TCP sockets. The lower rank of a pair connects; the higher accepts."""
+    """Border over TCP sockets. The lower rank of a pair connects; the higher accepts.
+
+    Counts the payload bytes of messages to and from peers outside ``local`` (this rank's
+    island): the bytes that cross island boundaries."""
 
     def __init__(self, rank: int, bind_host: str) -> None:
         super().__init__()
         self.rank = rank
         self.rejected = 0
+        self.local: frozenset[int] = frozenset()
         self._secret = b""
         self._ready = threading.Event()
         self._addresses: dict[int, tuple[str, int]] = {}
         self._links: dict[int, _Link] = {}
         self._cond = threading.Condition()
+        self._drive_lock = threading.Lock()
         self._closed = False
         self._listener = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -190,22 +299,73 @@ class TcpBorder(ByteCounter):
     def __repr__(self) -> str:
         return f"TcpBorder(rank={self.rank}, address={self.address}, links={sorted(self._links)})"
 
-    def set_peers(self, addresses: dict[int, tuple[str, int]], secret: bytes) -> None:
-        """Where every other rank listens, and the group's secret (from the rendezvous)."""
+    def set_peers(self, addresses: dict[int, tuple[str, int]], secret: bytes,
+                  local: frozenset[int] = frozenset()) -> None:
+        """Where every other rank listens, the group's secret (from the rendezvous), and the
+        ranks of this rank's island, whose traffic is not counted as crossing the border."""
         self._addresses = dict(addresses)
         self._secret = secret
+        self.local = frozenset(local)
         self._ready.set()
 
-    def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0) -> Handle:
-        handle = Handle(peer, "send")
-        self._link(peer, timeout_s).sends.put((tag, buf, handle))
+    def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0, extra: bytes = b"") -> Handle:
+        """Queue a message and write what the socket takes now; ``extra``: control bytes."""
+        handle = _DrivenHandle(self, peer, "send")
+        link = self._link(peer, timeout_s)
+        if link.error is not None:
+            handle.finish(link.error)
+            return handle
+        link.sends.append(_Outgoing(tag, buf, extra, handle, link))
+        if self._drive_lock.acquire(blocking=False):
+            try:
+                link.progress()
+            finally:
+                self._drive_lock.release()
         return handle
 
     def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None,
-              timeout_s: float = 60.0) -> Handle:
-        handle = Handle(peer, "recv")
-        self._link(peer, timeout_s).recvs.put((tag, buf, op, handle))
+              timeout_s: float = 60.0, flexible: bool = False) -> Handle:
+        """Post a receive. ``flexible``: a payload of another size than ``buf`` is not an error
+        but lands in ``handle.spill`` (so calls that disagree can still be compared)."""
+        handle = _DrivenHandle(self, peer, "recv")
+        link = self._link(peer, timeout_s)
+        if link.error is not None:
+            handle.finish(link.error)
+        else:
+            link.recvs.append(_Incoming(tag, buf, op, flexible, handle))
         return handle
+
+    def drive(self, handle: Handle, timeout_s: float) -> None:
+        """Progress every link with queued work until ``handle`` is done or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while not handle.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HetCCLTimeoutError(f"{handle.kind} with rank {handle.peer} did not complete within "
+                                         f"{timeout_s:.1f}s")
+            if not self._drive_lock.acquire(timeout=min(left, _POLL_S)):
+                continue
+            try:
+                self._drive_until(handle, deadline)
+            finally:
+                self._drive_lock.release()
+
+    def _drive_until(self, handle: Handle, deadline: float) -> None:
+        """With the drive lock: non-blocking progress, then ``select`` while nothing moves."""
+        while not handle.done and time.monotonic() < deadline:
+            with self._cond:
+                busy = [link for link in self._links.values() if link.sends or link.recvs]
+            if not any([link.progress() for link in busy]) and not handle.done:
+                readers = [link.sock for link in busy if link.recvs]
+                writers = [link.sock for link in busy if link.sends]
+                if not readers and not writers:
+                    return  # the handle's link is not connected yet: wait outside the lock
+                try:
+                    select.select(readers, writers, [], min(max(deadline - time.monotonic(), 0), _POLL_S))
+                except (OSError, ValueError):  # a socket closed under us: progress() reports it
+                    if self._closed:
+                        for link in busy:
+                            link.fail(HetCCLPeerError(f"border of rank {self.rank} closed"))
 
     def _link(self, peer: int, timeout_s: float) -> _Link:
         with self._cond:
@@ -226,6 +386,13 @@ class TcpBorder(ByteCounter):
                 self._cond.wait(left)
             return self._links[peer]
 
+    def connect_all(self, timeout_s: float) -> None:
+        """Open every connection now rather than on first use: this rank dials the higher ranks
+        (answered by their acceptor threads), then waits for the lower ones to dial it."""
+        deadline = time.monotonic() + timeout_s
+        for peer in sorted(self._addresses, key=lambda p: (p < self.rank, p)):
+            self._link(peer, max(deadline - time.monotonic(), 0.1))
+
     def _connect(self, peer: int, timeout_s: float) -> _Link:
         host, port = self._addresses[peer]
         try:
@@ -242,7 +409,7 @@ class TcpBorder(ByteCounter):
         return self._register(peer, sock)
 
     def _register(self, peer: int, sock: socket.socket) -> _Link:
-        sock.settimeout(None)
+        sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._cond:
             link = self._links.setdefault(peer, _Link(self, peer, sock))

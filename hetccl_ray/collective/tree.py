@@ -1,0 +1,303 @@
+"""Latency plans for small messages: up to the island leaders, one exchange, back down.
+
+Below the group's size threshold a collective costs three message hops instead of the
+hierarchical plans' island and border stages: every rank sends to its island's leader
+(its lowest rank), the leaders exchange once over the border, the leaders send results
+back. Each message also carries the callers' call rows (op, seq, dtype, count, root,
+reduce op) as control bytes, so when the round ends every rank knows what every rank
+called: the call check costs no round of its own, and a mismatch is found on every rank
+before any user buffer is written. Large ops run the same round with no data as their
+check. Receives are flexible: a peer that called something else (another size) is
+reported, never a hang or a wrong result.
+
+Border bytes (across islands, all ranks together; S = the buffer, k islands):
+allgather (k-1)S, reducescatter (k-1)S, broadcast (k-1)S, reduce (k-1)S, allreduce
+k(k-1)S (the hierarchical bound 2(k-1)S for two islands; more for k > 2, where the
+size threshold weighs the extra bytes against the saved hops). Plans import no Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement
+from hetccl_ray.collective.reduction import combine, copy
+from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
+from hetccl_ray.transport.base import Tag
+
+Rows = dict[int, list[int]]
+
+
+def _pack(rows: Rows) -> bytes:
+    return np.asarray([[rank, *row] for rank, row in sorted(rows.items())], dtype=np.int64).tobytes()
+
+
+def _unpack(raw: bytes) -> Rows:
+    table = np.frombuffer(raw, dtype=np.int64).reshape(-1, ROW_WIDTH + 1)
+    return {int(line[0]): [int(v) for v in line[1:]] for line in table}
+
+
+@dataclass
+class Shape:
+    """What one op moves in each phase, as element counts and hooks over this rank's buffers.
+
+    ``up(rank)``: the tensor a member sends its leader (or the count a leader expects from
+    it); ``across(i, j)``: what leader of island i sends leader of island j; ``down(rank)``:
+    what a leader sends member ``rank``. ``land_*`` consume what arrived, in a fixed order.
+    """
+
+    up: Callable[[int], int]
+    across: Callable[[int, int], int]
+    down: Callable[[int], int]
+    send_up: Callable[[], torch.Tensor]
+    land_up: Callable[[list[tuple[int, torch.Tensor]]], None]
+    send_across: Callable[[int], torch.Tensor]
+    land_across: Callable[[list[tuple[int, torch.Tensor]]], None]
+    send_down: Callable[[int], torch.Tensor]
+    land_down: Callable[[torch.Tensor], None]
+    finish: Callable[[], None] = field(default=lambda: None)
+
+
+def _none(_: object = None, __: object = None) -> int:
+    return 0
+
+
+def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Shape]) -> Optional[str]:
+    """Run the three phases; None when every rank made ``call`` (then ``shape.finish`` has
+    written the results), else who called what (and no user buffer was touched)."""
+    topo, isl, rank = ctx.topo, ctx.my_island, ctx.rank
+    leader = isl.ranks[0]
+    leaders = [island.ranks[0] for island in topo.islands]
+    border, tag = ctx.direct, Tag(OP_CODES["check"], call.seq, 0)  # one tag whatever each rank called
+    like = torch.empty(0, dtype=torch.uint8) if like is None else like
+    empty = like[:0]
+    counts = shape or Shape(_none, _none, _none, *([None] * 6))
+    rows: Rows = {rank: call.encode()}
+    spilled = False
+
+    def wait(handles) -> None:
+        nonlocal spilled
+        for handle in handles:
+            left = ctx.deadline - time.monotonic()
+            try:
+                handle.wait(max(left, 0.0))
+            except HetCCLTimeoutError as exc:
+                exc.waiting_for = handle.peer
+                raise
+            if handle.kind == "recv":
+                rows.update(_unpack(handle.extra))
+                spilled |= handle.spill is not None
+
+    def receive(peer: int, n: int, slot: str) -> tuple:
+        buf = ctx.scratch.get((slot, peer), n, like) if n else empty
+        return buf, border.irecv(peer, buf, tag, flexible=True)
+
+    def send(peer: int, buf: Optional[torch.Tensor], extra: Rows):
+        return border.isend(peer, buf if buf is not None else empty, tag, extra=_pack(extra))
+
+    if rank != leader:
+        wait([send(leader, shape.send_up() if shape and counts.up(rank) else None, rows)])
+        buf, handle = receive(leader, counts.down(rank), "down")
+        wait([handle])
+        problem = _verdict(rows, topo.world_size, spilled)
+        if problem is None and shape:
+            shape.land_down(buf)
+            shape.finish()
+        return problem
+    members = [r for r in isl.ranks if r != leader]
+    ups = [receive(m, counts.up(m), "up") for m in members]
+    wait([handle for _, handle in ups])
+    if shape and not spilled:
+        shape.land_up(list(zip(members, [buf for buf, _ in ups])))
+    me = isl.index
+    others = [j for j in range(len(leaders)) if j != me]
+    island_rows = dict(rows)
+    acrosses = [receive(leaders[j], counts.across(j, me), "across") for j in others]
+    sends = [send(leaders[j], shape.send_across(j) if shape and counts.across(me, j) and not spilled else None,
+                  island_rows) for j in others]
+    wait(sends + [handle for _, handle in acrosses])
+    if shape and not spilled:
+        shape.land_across(list(zip(others, [buf for buf, _ in acrosses])))
+    problem = _verdict(rows, topo.world_size, spilled)
+    agreed = problem is None and shape is not None
+    wait([send(m, shape.send_down(m) if agreed and counts.down(m) else None, rows) for m in members])
+    if agreed:
+        shape.finish()
+    return problem
+
+
+def _verdict(rows: Rows, world: int, spilled: bool) -> Optional[str]:
+    """Who called what when the ranks disagree; a size that differs although the calls agree
+    would be a bug in the plans, so it is an error too."""
+    problem = disagreement([Call.decode(rows[r]) for r in range(world)])
+    if problem is None and spilled:
+        raise HetCCLMismatchError("a message had another size than the agreed call implies")
+    return problem
+
+
+# -- the ops --------------------------------------------------------------------------------------
+
+def allreduce(ctx, call: Call, buf: torch.Tensor, op: str) -> Optional[str]:
+    """Members send to the leader, leaders swap island partials, leaders send the total down."""
+    n, k = buf.numel(), len(ctx.topo.islands)
+    partial = ctx.scratch.get("tree-partial", n, buf)
+    total = ctx.scratch.get("tree-total", n, buf)
+    state = {}
+
+    def land_up(got):
+        copy(partial, buf)
+        for _, part in got:
+            combine(partial, part, op)
+
+    def land_across(got):
+        parts = dict(got)
+        parts[ctx.my_island.index] = partial
+        copy(total, parts[0])
+        for j in range(1, k):
+            combine(total, parts[j], op)
+
+    def land_down(got):
+        state["result"] = got
+
+    def finish():
+        copy(buf, state.get("result", total))
+
+    shape = Shape(lambda r: n, lambda i, j: n, lambda r: n, lambda: buf, land_up, lambda j: partial,
+                  land_across, lambda r: total, land_down, finish)
+    return round_trip(ctx, call, buf, shape)
+
+
+def reduce(ctx, call: Call, buf: torch.Tensor, root: int, op: str) -> Optional[str]:
+    """Like allreduce, but partials go only to the root island's leader, the total only to root."""
+    topo = ctx.topo
+    n, k, home = buf.numel(), len(topo.islands), topo.island_of(root).index
+    partial = ctx.scratch.get("tree-partial", n, buf)
+    total = ctx.scratch.get("tree-total", n, buf)
+    state = {}
+
+    def land_up(got):
+        copy(partial, buf)
+        for _, part in got:
+            combine(partial, part, op)
+
+    def land_across(got):
+        if ctx.my_island.index != home:
+            return
+        parts = dict(got)
+        parts[home] = partial
+        copy(total, parts[0])
+        for j in range(1, k):
+            combine(total, parts[j], op)
+        state["result"] = total
+
+    def finish():
+        if ctx.rank == root:
+            copy(buf, state["result"])
+
+    shape = Shape(lambda r: n, lambda i, j: n if j == home else 0, lambda r: n if r == root else 0, lambda: buf,
+                  land_up, lambda j: partial, land_across, lambda r: total, lambda got: state.update(result=got),
+                  finish)
+    return round_trip(ctx, call, buf, shape)
+
+
+def broadcast(ctx, call: Call, buf: torch.Tensor, root: int) -> Optional[str]:
+    """Root to its leader, that leader to the others, each leader to its members."""
+    topo = ctx.topo
+    n, home = buf.numel(), topo.island_of(root).index
+    held = ctx.scratch.get("tree-total", n, buf)
+    state = {}
+
+    def land_up(got):
+        copy(held, dict(got).get(root, buf))
+
+    def land_across(got):
+        if ctx.my_island.index != home:
+            copy(held, dict(got)[home])
+
+    def finish():
+        if ctx.rank != root:
+            copy(buf, state.get("result", held))
+
+    shape = Shape(lambda r: n if r == root else 0, lambda i, j: n if i == home else 0, lambda r: n, lambda: buf,
+                  land_up, lambda j: held, land_across, lambda r: held, lambda got: state.update(result=got), finish)
+    return round_trip(ctx, call, buf, shape)
+
+
+def allgather(ctx, call: Call, buf: torch.Tensor) -> Optional[str]:
+    """The island-major ``buf`` (own chunk filled in): chunks up, island regions across, all down."""
+    topo = ctx.topo
+    order = topo.island_major_order()
+    chunk = buf.numel() // topo.world_size
+    slot = {rank: order.index(rank) for rank in range(topo.world_size)}
+    starts = {island.index: slot[island.ranks[0]] * chunk for island in topo.islands}
+    sizes = {island.index: island.size * chunk for island in topo.islands}
+    out = ctx.scratch.get("tree-total", buf.numel(), buf)
+    state = {}
+
+    def region(j: int) -> torch.Tensor:
+        return out[starts[j]:starts[j] + sizes[j]]
+
+    def land_up(got):
+        copy(out, buf)
+        for rank, part in got:
+            copy(out[slot[rank] * chunk:(slot[rank] + 1) * chunk], part)
+
+    def land_across(got):
+        for j, part in got:
+            copy(region(j), part)
+
+    shape = Shape(lambda r: chunk, lambda i, j: sizes[i], lambda r: buf.numel(),
+                  lambda: buf[slot[ctx.rank] * chunk:(slot[ctx.rank] + 1) * chunk], land_up,
+                  lambda j: region(ctx.my_island.index), land_across, lambda r: out,
+                  lambda got: state.update(result=got), lambda: copy(buf, state.get("result", out)))
+    return round_trip(ctx, call, buf, shape)
+
+
+def reducescatter(ctx, call: Call, buf: torch.Tensor, out: torch.Tensor, op: str) -> Optional[str]:
+    """The island-major ``buf`` of one chunk per rank: whole buffers up, each island's region
+    of the partials to that island's leader, each member's chunk down into ``out``."""
+    topo = ctx.topo
+    order = topo.island_major_order()
+    chunk = out.numel()
+    k = len(topo.islands)
+    slot = {rank: order.index(rank) for rank in range(topo.world_size)}
+    starts = {island.index: slot[island.ranks[0]] * chunk for island in topo.islands}
+    sizes = {island.index: island.size * chunk for island in topo.islands}
+    partial = ctx.scratch.get("tree-partial", buf.numel(), buf)
+    total = ctx.scratch.get("tree-total", sizes[ctx.my_island.index], buf)
+    state = {}
+
+    def region(j: int) -> torch.Tensor:
+        return partial[starts[j]:starts[j] + sizes[j]]
+
+    def land_up(got):
+        copy(partial, buf)
+        for _, part in got:
+            combine(partial, part, op)
+
+    def land_across(got):
+        me = ctx.my_island.index
+        parts = dict(got)
+        parts[me] = region(me)
+        copy(total, parts[0])
+        for j in range(1, k):
+            combine(total, parts[j], op)
+
+    def down(rank: int) -> torch.Tensor:
+        at = (slot[rank] - slot[ctx.rank]) * chunk
+        return total[at:at + chunk]
+
+    shape = Shape(lambda r: buf.numel(), lambda i, j: sizes[j], lambda r: chunk, lambda: buf, land_up, region,
+                  land_across, down, lambda got: state.update(result=got),
+                  lambda: copy(out, state["result"] if "result" in state else down(ctx.rank)))
+    return round_trip(ctx, call, buf, shape)
+
+
+def check(ctx, call: Call) -> Optional[str]:
+    """The round with no data: every rank learns every call (and it is a barrier)."""
+    return round_trip(ctx, call, None, None)
