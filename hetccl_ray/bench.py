@@ -211,10 +211,12 @@ class _Progress:
         sys.stderr.flush()
 
 
-def lane_transports(group: str, rank: int) -> list[str]:
-    """In one actor: the transport to each lane peer of this rank, and why."""
-    choices = hetccl_ray.get_group(group).lane_transports()
-    return [f"rank {rank}->{peer} {choice.transport} ({choice.why})" for peer, choice in choices.items()]
+def lane_transports(group: str, rank: int) -> tuple[list[str], list[str]]:
+    """In one actor: the transport to each lane peer of this rank, and why; the cost model."""
+    formed = hetccl_ray.get_group(group)
+    choices = formed.lane_transports()
+    return ([f"rank {rank}->{peer} {choice.transport} ({choice.why})" for peer, choice in choices.items()],
+            formed.cost_model())
 
 
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,
@@ -230,7 +232,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     per_rank = ray.get([a.call.remote(lane_transports, groups["hetccl"], r) for r, a in enumerate(actors)],
                        timeout=max(timeout_s, 60))  # also forms the group on every rank
     first = topo.islands[0].ranks
-    lanes = [f"lane {lane}: " + "; ".join(per_rank[first[lane]]) for lane in range(topo.lanes)
+    lanes = [f"lane {lane}: " + "; ".join(per_rank[first[lane]][0]) for lane in range(topo.lanes)
              if len(topo.islands) > 1]
     if spec.vs_gloo:
         groups["gloo"] = f"bench-gloo-{stamp}"
@@ -261,6 +263,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                 bar.step(f"{op} {nbytes} B {backend}")
     frame = pd.DataFrame(rows)
     frame.attrs["lanes"] = lanes
+    frame.attrs["model"] = per_rank[0][1]
     if spec.vs_gloo:
         wide = frame.pivot_table(index=["op", "size"], columns="backend", values="time_us")
         frame["hetccl_vs_gloo"] = frame.apply(
@@ -341,26 +344,51 @@ def _cluster_islands(sizes: list[int]) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
     args = _parser().parse_args(argv)
+    rates = [args.link_rate]
     if args.demo:
         args.op, args.vs = "all", "gloo"
         args.minbytes, args.maxbytes, args.stepfactor = 1 << 10, 1 << 20, 32.0
+        rates = [None, *_demo_shaped_rate()]
     spec = BenchSpec(_ops(args.op), sweep(args.minbytes, args.maxbytes, args.stepfactor), args.datatype,
                      args.warmup_iters, args.iters, args.vs == "gloo")
-    sizes = parse_layout(args.layout)
-    islands = island_names(sizes, args.interleave)
+    islands = island_names(parse_layout(args.layout), args.interleave)
+    frame = pd.concat([_bench_once(args, spec, islands, rate) for rate in rates], ignore_index=True)
+    if args.csv:
+        frame.to_csv(args.csv, index=False)
+        print(f"# wrote {args.csv}")
+    if frame["wrong"].sum():
+        raise SystemExit(f"hetccl-bench: {int(frame['wrong'].sum())} wrong elements")
+    return frame
+
+
+def _demo_shaped_rate() -> list[str]:
+    """The demo's second table, a 1 Gbit/s link between islands, where this machine can shape one."""
+    from hetccl_ray.shaped_cluster import ShapedClusterUnavailable, check_available
+
+    try:
+        check_available()
+    except ShapedClusterUnavailable as exc:
+        print(f"# demo: unshaped only; no shaped 1gbit table here: {exc}")
+        return []
+    return ["1gbit"]
+
+
+def _bench_once(args: argparse.Namespace, spec: BenchSpec, islands: list[str], link_rate: Optional[str]
+                ) -> pd.DataFrame:
+    """One sweep on one cluster (running, shaped or local), its table printed."""
     if args.address:
-        ray.init(address=args.address)
-        real = _cluster_islands(sizes)
+        ray.init(address=args.address, ignore_reinit_error=True)
+        real = _cluster_islands(parse_layout(args.layout))
         islands = [real[int(name.removeprefix("island"))] for name in islands]
         cluster = None
-    elif args.link_rate:
+    elif link_rate:
         from hetccl_ray.shaped_cluster import ShapedCluster
 
-        cluster = ShapedCluster(islands, args.link_rate)
+        cluster = ShapedCluster(islands, link_rate)
     else:
         cluster = LocalCluster(islands)
     header = (f"# hetccl-bench  layout {args.layout}{' interleaved' if args.interleave else ''}  "
-              f"islands by rank {islands}  link {args.link_rate or 'unshaped'}  transport {args.transport}  "
+              f"islands by rank {islands}  link {link_rate or 'unshaped'}  transport {args.transport}  "
               f"type {spec.dtype}  warmup {spec.warmup}  iters {spec.iters}")
     if cluster is None:
         actors = place_workers(islands)
@@ -370,17 +398,12 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
             frame = run_sweep(cluster.workers(islands), islands, spec, not args.no_progress, args.timeout,
                               args.transport)
     frame["layout"] = args.layout + ("i" if args.interleave else "")
-    frame["link_rate"] = args.link_rate or "unshaped"
+    frame["link_rate"] = link_rate or "unshaped"
     print(header)
     print(Topology.from_islands(islands).describe())
-    for lane in frame.attrs.get("lanes", []):
-        print(f"# {lane}")
-    print(format_table(frame))
-    if args.csv:
-        frame.to_csv(args.csv, index=False)
-        print(f"# wrote {args.csv}")
-    if frame["wrong"].sum():
-        raise SystemExit(f"hetccl-bench: {int(frame['wrong'].sum())} wrong elements")
+    for line in frame.attrs.get("lanes", []) + frame.attrs.get("model", []):
+        print(f"# {line}")
+    print(format_table(frame), flush=True)
     return frame
 
 

@@ -3,9 +3,7 @@
 import pytest
 import torch
 
-from hetccl_ray.collective import plans
 from hetccl_ray.collective.calls import Call, disagreement
-from tests.fakes import run_ranks
 
 CALLS = [Call("allreduce", torch.float32, 1000, reduce="max", seq=7),
          Call("broadcast", torch.uint8, 0, root=3, seq=1),
@@ -27,10 +25,3 @@ def test_disagreement_names_the_odd_ranks_and_what_they_called():
     text = disagreement([a, a, b, a])
     assert text == ("ranks [0, 1, 3] called allreduce #7(float32, 1000 elements, max); "
                     "ranks [2] called allreduce #7(float64, 1000 elements, max)")
-
-
-@pytest.mark.parametrize("islands", [["a", "b", "a", "c", "b"], ["a", "a"], ["a"]])
-def test_every_rank_gathers_every_rank_row(islands):
-    rows, _ = run_ranks(islands, lambda ctx: plans.gather_rows(ctx, [ctx.rank, 10 * ctx.rank, -1]))
-    expect = [[r, 10 * r, -1] for r in range(len(islands))]
-    assert rows == [expect] * len(islands)

@@ -111,7 +111,8 @@ def test_group_level_refusals_are_runtime_errors(actors):
         return out
 
     got = ray.get(actors[0].call.remote(refusals, "het", 0, 4), timeout=60)
-    assert got["root out of range"][:2] == (True, True) and "broadcast root 4 is not a rank" in got["root out of range"][2]
+    assert got["root out of range"][:2] == (True, True)
+    assert "broadcast root 4 is not a rank" in got["root out of range"][2]
     assert got["send to itself"][:2] == (True, True) and "cannot send to itself" in got["send to itself"][2]
     assert got["two tensors"][:2] == (True, True) and "takes one tensor per rank" in got["two tensors"][2]
     assert got["not a tensor"][:2] == (True, True) and "unsupported tensor type list" in got["not a tensor"][2]

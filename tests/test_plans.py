@@ -154,12 +154,6 @@ def test_send_recv_every_pair(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_barrier(layout):
-    results, _ = run_ranks(LAYOUTS[layout], lambda ctx: plans.barrier(ctx) or ctx.rank)
-    assert results == list(range(len(LAYOUTS[layout])))
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("piece_bytes", [8, 24, 800])
 def test_allreduce_pipelined_pieces(layout, piece_bytes):
     islands = LAYOUTS[layout]

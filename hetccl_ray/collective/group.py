@@ -26,7 +26,7 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, BarrierOptions, BroadcastOptions,
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
-from hetccl_ray.collective import plans, tree
+from hetccl_ray.collective import costs, plans, tree
 from hetccl_ray.collective.calls import OP_CODES, Call
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 BACKEND = "HETCCL"
 _RAY_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "product", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 _PROGRESS_PERIOD_S = 0.1
+_PROBE_ROUNDS, _PROBE_BYTES = 5, 256 << 10  # formation's timed rounds for the cost model
 
 
 def _local_vendor() -> Optional[str]:
@@ -174,9 +175,45 @@ class HetCCLGroup(BaseGroup):
         self._store_address = (records[0]["host"], records[0]["store_port"])
         self._progress = _Progress(self._rendezvous, rank)
         self._island_for(torch.device("cpu"))
-        self.small_bytes = {op: 256 << 10 if self.options.small_bytes is None else self.options.small_bytes
-                            for op in ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")}
+        self._calibrate()
         logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
+
+    def _calibrate(self) -> None:
+        """Set the small-message thresholds: from the ``small_bytes`` option, else from link
+        costs measured now (timed rows-only rounds and small-round broadcasts, costs.py),
+        which rank 0 measures and broadcasts so that every rank picks the same plans."""
+        self.costs: Optional[costs.LinkCosts] = None
+        self._probe_bytes = (0, 0)
+        if self.options.small_bytes is not None or self.world_size == 1:
+            self.small_bytes = dict.fromkeys(costs.OPS, self.options.small_bytes or 0)
+            return
+        self.small_bytes = dict.fromkeys(costs.OPS, costs.MAX_SMALL_BYTES)  # the probes below go small
+        hops, moves = [], []
+        for _ in range(_PROBE_ROUNDS + 1):
+            started = time.perf_counter()
+            self.barrier()
+            hops.append(time.perf_counter() - started)
+        probe = torch.zeros(_PROBE_BYTES // 8, dtype=torch.float64)
+        for _ in range(_PROBE_ROUNDS):
+            started = time.perf_counter()
+            self.broadcast(probe)
+            moves.append(time.perf_counter() - started)
+        measured = costs.measure(hops[1:], moves, _PROBE_BYTES, self.topology)
+        agreed = torch.tensor([measured.hop_s, measured.bytes_per_s], dtype=torch.float64)
+        self.broadcast(agreed)
+        self.costs = costs.LinkCosts(*agreed.tolist())
+        self.small_bytes = costs.thresholds(self.topology, self.costs)
+        # the probes are not the user's ops: numbering and counters start after them (every
+        # message of theirs was received in order before a rank's next op can arrive)
+        self._seq = self._progress.seq = 0
+        self._sent_by_op.clear()
+        self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received)
+
+    def cost_model(self) -> list[str]:
+        """The link costs and the small-message threshold of each op, as lines for a header."""
+        source = self.costs.describe() if self.costs else "small_bytes option"
+        limits = ", ".join(f"{op} <= {size:,} B" for op, size in self.small_bytes.items())
+        return [f"cost model: {source}", f"small-message round for: {limits}"]
 
     def __repr__(self) -> str:
         return (f"HetCCLGroup(name={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "
@@ -249,7 +286,8 @@ class HetCCLGroup(BaseGroup):
     def border_stats(self) -> dict[str, Any]:
         """Bytes this rank sent/received over the border, in all and per op; the transport to
         each lane peer; how GPU tensors reach an RDMA NIC (dmabuf, peermem or staged)."""
-        return {"bytes_sent": self.border.bytes_sent, "bytes_received": self.border.bytes_received,
+        sent, received = self._probe_bytes
+        return {"bytes_sent": self.border.bytes_sent - sent, "bytes_received": self.border.bytes_received - received,
                 "last_op_bytes_sent": self.last_op_bytes_sent, "per_op": dict(self._sent_by_op),
                 "rejected_connections": self.border.rejected,
                 "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()},

@@ -274,17 +274,6 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
         ctx.island.gather(buf, counts, topo.local_rank(root))
 
 
-def barrier(ctx: PlanContext) -> None:
-    """Island barrier, a token between the lane-0 owners of all islands, island barrier."""
-    ctx.island.barrier()
-    if len(ctx.topo.islands) > 1 and ctx.lane == 0:
-        peers = [p for p in ctx.topo.lane_peers(0) if p != ctx.rank]
-        token = torch.zeros(1, dtype=torch.uint8)
-        received = [torch.empty(1, dtype=torch.uint8) for _ in peers]
-        ctx.exchange(sends=[(p, token) for p in peers], recvs=list(zip(peers, received)))
-    ctx.island.barrier()
-
-
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     """Vendor P2P inside an island, the border between islands."""
     if ctx.topo.island_of(peer) == ctx.my_island:

@@ -1,0 +1,79 @@
+"""The cost model that picks, per op, the largest buffer the small-message round takes.
+
+Two numbers describe the group's links: the time of one message hop (``hop_s``, latency
+plus the per-message software cost) and the bytes per second one rank moves
+(``bytes_per_s``). They are measured once at formation (timed rounds of tree.py) or given
+as options. A plan costs ``hops * hop_s + c * S / bytes_per_s``, where ``c`` is the number
+of buffers of S bytes its busiest rank moves one after another; the small round has
+3 hops and a leader that carries every island's bytes, the island plans have more hops
+(their own 3-hop call check included) but spread bytes over lanes. The threshold is the
+size where the two cost the same. Pure: imports no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetccl_ray.topology import Topology
+
+OPS = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")
+TREE_HOPS = 3
+MAX_SMALL_BYTES = 64 << 20
+# The island plans copy and reduce in more stages than their wire bytes show: fitted on this
+# project's 2-core loopback runs (2x2, 1-16 MiB), their time per byte is 1.8x what the
+# buffers moved by their busiest rank alone predict (RESULTS.md, "Where the time goes").
+PLAN_SOFTWARE = 1.8
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """One message hop's time and one rank's bandwidth."""
+
+    hop_s: float
+    bytes_per_s: float
+
+    def describe(self) -> str:
+        return f"hop {self.hop_s * 1e6:.0f} us, {self.bytes_per_s / 1e9:.2f} GB/s per rank"
+
+
+def _shape(op: str, topo: Topology) -> tuple[int, float, float]:
+    """(hops of the island plans, buffers the tree's busiest rank moves, the plans' busiest rank's)."""
+    m = max(island.size for island in topo.islands)
+    k, lanes = len(topo.islands), max(topo.lanes, 1)
+    inside = (m - 1) / m
+    if op == "allreduce":
+        return 7, 2 * (m - 1) + (k - 1), 2 * inside + 2 * (k - 1) / (k * lanes)
+    if op == "reduce":
+        return 6, (m - 1) + (k - 1) + 1, inside + (k - 1) / lanes + inside
+    if op == "broadcast":
+        return 6, 1 + (k - 1) + (m - 1), 1 + (k - 1) / lanes + inside
+    if op == "allgather":
+        return 6, (m - 1) + 1, 1.0
+    if op == "reducescatter":
+        return 6, float(m), 1.0
+    raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
+
+
+def tree_busiest(op: str, topo: Topology) -> float:
+    """Buffers of S bytes the small round's busiest rank moves in turn (for measuring bandwidth)."""
+    return _shape(op, topo)[1]
+
+
+def thresholds(topo: Topology, costs: LinkCosts) -> dict[str, int]:
+    """For each op, the largest buffer (nccl-tests' size) that goes by the small round."""
+    out = {}
+    for op in OPS:
+        hops, tree_c, plan_c = _shape(op, topo)
+        plan_c *= PLAN_SOFTWARE
+        saved_s = (hops - TREE_HOPS) * costs.hop_s
+        extra_s_per_byte = max(tree_c - plan_c, 0.25) / costs.bytes_per_s
+        out[op] = int(min(saved_s / extra_s_per_byte, MAX_SMALL_BYTES))
+    return out
+
+
+def measure(hop_rounds_s: list[float], broadcast_s: list[float], nbytes: int, topo: Topology) -> LinkCosts:
+    """Costs from timed rounds: rows-only rounds (3 hops each) and small-round broadcasts of ``nbytes``."""
+    hop = sorted(hop_rounds_s)[len(hop_rounds_s) // 2] / TREE_HOPS
+    moving = sorted(broadcast_s)[len(broadcast_s) // 2] - TREE_HOPS * hop
+    rate = tree_busiest("broadcast", topo) * nbytes / max(moving, 1e-6)
+    return LinkCosts(hop, rate)

@@ -1,0 +1,50 @@
+"""The cost model alone: thresholds follow the measured hop time and bandwidth the way the
+formula says, and measuring from timed rounds inverts the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetccl_ray.collective import costs
+from hetccl_ray.topology import Topology
+
+TWO_BY_TWO = Topology.from_islands(["a", "a", "b", "b"])
+THREE = Topology.from_islands(["a", "b", "a", "c", "b", "a"])
+
+
+def test_every_op_has_a_threshold_that_grows_with_hop_time_and_bandwidth():
+    base = costs.thresholds(TWO_BY_TWO, costs.LinkCosts(100e-6, 1e9))
+    slower_hops = costs.thresholds(TWO_BY_TWO, costs.LinkCosts(200e-6, 1e9))
+    slow_link = costs.thresholds(TWO_BY_TWO, costs.LinkCosts(100e-6, 0.125e9))  # a 1 Gbit/s border
+    assert set(base) == set(costs.OPS)
+    for op in costs.OPS:
+        assert 0 < base[op] <= costs.MAX_SMALL_BYTES
+        assert slower_hops[op] == pytest.approx(2 * base[op], abs=2)  # whole bytes
+        assert slow_link[op] == pytest.approx(base[op] / 8, abs=2)
+
+
+def test_the_threshold_is_where_both_plans_cost_the_same():
+    link = costs.LinkCosts(150e-6, 0.8e9)
+    for topo in (TWO_BY_TWO, THREE):
+        for op, size in costs.thresholds(topo, link).items():
+            hops, tree_c, plan_c = costs._shape(op, topo)
+            plan_c *= costs.PLAN_SOFTWARE
+            tree_s = costs.TREE_HOPS * link.hop_s + tree_c * size / link.bytes_per_s
+            plan_s = hops * link.hop_s + plan_c * size / link.bytes_per_s
+            if tree_c - plan_c >= 0.25:  # where the small round is not (nearly) as cheap per byte
+                assert tree_s == pytest.approx(plan_s, rel=1e-3), op
+
+
+def test_measure_inverts_the_model():
+    hop, rate, nbytes = 120e-6, 1.5e9, 256 << 10
+    busiest = costs.tree_busiest("broadcast", TWO_BY_TWO)
+    rounds = [3 * hop * f for f in (0.9, 1.0, 1.3)]
+    broadcasts = [3 * hop + busiest * nbytes / rate * f for f in (1.0, 0.8, 1.4)]
+    measured = costs.measure(rounds, broadcasts, nbytes, TWO_BY_TWO)
+    assert measured.hop_s == pytest.approx(hop) and measured.bytes_per_s == pytest.approx(rate)
+    assert "120 us" in measured.describe() and "1.50 GB/s" in measured.describe()
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="no cost model for 'alltoall'"):
+        costs.tree_busiest("alltoall", TWO_BY_TWO)
