@@ -274,9 +274,16 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
         ctx.island.gather(buf, counts, topo.local_rank(root))
 
 
+def _by_island(ctx: PlanContext, buf: torch.Tensor, peer: int) -> bool:
+    """Whether a message to ``peer`` goes through the island library: device tensors to an
+    island peer do; CPU tensors take the border's socket (one hop, cheaper than Gloo's P2P)."""
+    same = ctx.topo.island_of(peer) == ctx.my_island
+    return same and (ctx.direct is None or buf.device.type != "cpu")
+
+
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
-    """Vendor P2P inside an island, the border between islands."""
-    if ctx.topo.island_of(peer) == ctx.my_island:
+    """Vendor P2P inside an island, the border otherwise."""
+    if _by_island(ctx, buf, peer):
         ctx.island.send(buf, ctx.topo.local_rank(peer))
     else:
         ctx.exchange(sends=[(peer, buf)], recvs=[])
@@ -284,7 +291,7 @@ def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
 
 def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     """Counterpart of :func:`send`."""
-    if ctx.topo.island_of(peer) == ctx.my_island:
+    if _by_island(ctx, buf, peer):
         ctx.island.recv(buf, ctx.topo.local_rank(peer))
     else:
         ctx.exchange(sends=[], recvs=[(peer, buf)])
