@@ -36,13 +36,20 @@ def test_the_threshold_is_where_both_plans_cost_the_same():
 
 
 def test_measure_inverts_the_model():
-    hop, rate, nbytes = 120e-6, 1.5e9, 256 << 10
+    hop, rate, sizes = 120e-6, 1.5e9, (64 << 10, 1 << 20)
     busiest = costs.tree_busiest("broadcast", TWO_BY_TWO)
     rounds = [3 * hop * f for f in (0.9, 1.0, 1.3)]
-    broadcasts = [3 * hop + busiest * nbytes / rate * f for f in (1.0, 0.8, 1.4)]
-    measured = costs.measure(rounds, broadcasts, nbytes, TWO_BY_TWO)
+    broadcasts = {size: [3 * hop + busiest * size / rate + noise for noise in (0.0, -1e-5, 5e-5)]
+                  for size in sizes}
+    measured = costs.measure(rounds, broadcasts, TWO_BY_TWO)
     assert measured.hop_s == pytest.approx(hop) and measured.bytes_per_s == pytest.approx(rate)
     assert "120 us" in measured.describe() and "1.50 GB/s" in measured.describe()
+
+
+def test_a_noisy_slope_gives_a_bounded_rate_and_threshold():
+    flat = costs.measure([3e-4] * 3, {1 << 16: [1e-3] * 3, 1 << 20: [0.9e-3] * 3}, TWO_BY_TWO)  # larger faster
+    assert flat.bytes_per_s == 10e9
+    assert max(costs.thresholds(TWO_BY_TWO, flat).values()) == costs.MAX_SMALL_BYTES
 
 
 def test_unknown_op_is_refused():

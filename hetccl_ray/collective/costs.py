@@ -18,7 +18,8 @@ from hetccl_ray.topology import Topology
 
 OPS = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")
 TREE_HOPS = 3
-MAX_SMALL_BYTES = 64 << 20
+MAX_SMALL_BYTES = 4 << 20  # a leader holds whole buffers: above this the island plans run regardless
+_RATE_RANGE = (10e6, 10e9)  # bytes/s a noisy probe may report; outside it the slope was noise
 # The island plans copy and reduce in more stages than their wire bytes show: fitted on this
 # project's 2-core loopback runs (2x2, 1-16 MiB), their time per byte is 1.8x what the
 # buffers moved by their busiest rank alone predict (RESULTS.md, "Where the time goes").
@@ -71,9 +72,11 @@ def thresholds(topo: Topology, costs: LinkCosts) -> dict[str, int]:
     return out
 
 
-def measure(hop_rounds_s: list[float], broadcast_s: list[float], nbytes: int, topo: Topology) -> LinkCosts:
-    """Costs from timed rounds: rows-only rounds (3 hops each) and small-round broadcasts of ``nbytes``."""
-    hop = sorted(hop_rounds_s)[len(hop_rounds_s) // 2] / TREE_HOPS
-    moving = sorted(broadcast_s)[len(broadcast_s) // 2] - TREE_HOPS * hop
-    rate = tree_busiest("broadcast", topo) * nbytes / max(moving, 1e-6)
-    return LinkCosts(hop, rate)
+def measure(hop_rounds_s: list[float], broadcasts_s: dict[int, list[float]], topo: Topology) -> LinkCosts:
+    """Costs from timed rounds: rows-only rounds (3 hops each) give the hop; small-round
+    broadcasts of two sizes give the bandwidth from the slope between them (medians)."""
+    med = {size: sorted(times)[len(times) // 2] for size, times in broadcasts_s.items()}
+    small, large = min(med), max(med)
+    slope = max(med[large] - med[small], 1e-9) / (large - small)
+    rate = min(max(tree_busiest("broadcast", topo) / slope, _RATE_RANGE[0]), _RATE_RANGE[1])
+    return LinkCosts(sorted(hop_rounds_s)[len(hop_rounds_s) // 2] / TREE_HOPS, rate)

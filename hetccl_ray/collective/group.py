@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 BACKEND = "HETCCL"
 _RAY_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "product", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 _PROGRESS_PERIOD_S = 0.1
-_PROBE_ROUNDS, _PROBE_BYTES = 5, 256 << 10  # formation's timed rounds for the cost model
+_PROBE_ROUNDS, _PROBE_BYTES = 5, (64 << 10, 1 << 20)  # formation's timed rounds for the cost model
 
 
 def _local_vendor() -> Optional[str]:
@@ -188,17 +188,18 @@ class HetCCLGroup(BaseGroup):
             self.small_bytes = dict.fromkeys(costs.OPS, self.options.small_bytes or 0)
             return
         self.small_bytes = dict.fromkeys(costs.OPS, costs.MAX_SMALL_BYTES)  # the probes below go small
-        hops, moves = [], []
-        for _ in range(_PROBE_ROUNDS + 1):
-            started = time.perf_counter()
-            self.barrier()
-            hops.append(time.perf_counter() - started)
-        probe = torch.zeros(_PROBE_BYTES // 8, dtype=torch.float64)
-        for _ in range(_PROBE_ROUNDS):
-            started = time.perf_counter()
-            self.broadcast(probe)
-            moves.append(time.perf_counter() - started)
-        measured = costs.measure(hops[1:], moves, _PROBE_BYTES, self.topology)
+        def timed(op: Callable[[], None], rounds: int) -> list[float]:
+            times = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - started)
+            return times
+
+        hops = timed(self.barrier, _PROBE_ROUNDS + 1)[1:]
+        moves = {size: timed(lambda probe=torch.zeros(size // 8, dtype=torch.float64): self.broadcast(probe),
+                             _PROBE_ROUNDS) for size in _PROBE_BYTES}
+        measured = costs.measure(hops, moves, self.topology)
         agreed = torch.tensor([measured.hop_s, measured.bytes_per_s], dtype=torch.float64)
         self.broadcast(agreed)
         self.costs = costs.LinkCosts(*agreed.tolist())
