@@ -54,7 +54,8 @@ def _island_major(topo: Topology, rows: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_reducescatter(layout, chunk):
+@pytest.mark.parametrize("piece_bytes", [None, 24, 800])  # whole, and pipelined pieces
+def test_reducescatter(layout, chunk, piece_bytes):
     islands = LAYOUTS[layout]
     world = len(islands)
     topo = Topology.from_islands(islands)
@@ -64,7 +65,7 @@ def test_reducescatter(layout, chunk):
         buf = torch.tensor(_island_major(topo, data[ctx.rank]))
         return plans.reducescatter(ctx, buf, "sum").clone().numpy()
 
-    results, borders = run_ranks(islands, body)
+    results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
     for r, got in enumerate(results):
         np.testing.assert_array_equal(got, data[:, r, :].sum(axis=0))
     assert border_total(borders) == (len(topo.islands) - 1) * world * chunk * 8
@@ -72,7 +73,8 @@ def test_reducescatter(layout, chunk):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_allgather(layout, chunk):
+@pytest.mark.parametrize("piece_bytes", [None, 24, 800])  # whole, and pipelined pieces
+def test_allgather(layout, chunk, piece_bytes):
     islands = LAYOUTS[layout]
     world = len(islands)
     topo = Topology.from_islands(islands)
@@ -86,7 +88,7 @@ def test_allgather(layout, chunk):
         plans.allgather(ctx, buf)
         return buf.numpy()
 
-    results, borders = run_ranks(islands, body)
+    results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
     for got in results:
         np.testing.assert_array_equal(got, _island_major(topo, data))
     assert border_total(borders) == (len(topo.islands) - 1) * world * chunk * 8

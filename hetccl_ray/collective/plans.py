@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -141,31 +141,59 @@ def _cross_allreduce(ctx: PlanContext, seg: torch.Tensor, op: str, peers: list[i
                  recvs=[(peers[i], _view(seg, subs[i])) for i in others])
 
 
-def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
-    """Reduce-scatter to lane owners, allreduce across islands per lane, allgather back.
+def _piece(span: Span, q: int, count: int) -> Span:
+    """Piece ``q`` of ``count`` of the region ``span``."""
+    offset, length = span
+    part_offset, part_length = split(length, count)[q]
+    return offset + part_offset, part_length
 
-    Large buffers go in pieces of ``ctx.piece_bytes``: while piece i crosses the border
-    (on ``ctx.pipeline``), the island reduce-scatters piece i+1 and allgathers piece i-1.
-    """
+
+def _piece_count(ctx: PlanContext, spans: Sequence[Span], itemsize: int) -> int:
+    """Pieces of ``ctx.piece_bytes`` for the largest region (one without a pipeline thread)."""
+    largest = max(length for _, length in spans) * itemsize
+    return max(-(-largest // ctx.piece_bytes), 1) if ctx.pipeline is not None else 1
+
+
+def _pipelined(ctx: PlanContext, count: int, before: Callable[[int], None], across: Callable[[int], None],
+               after: Callable[[int], None]) -> None:
+    """Run each piece's island stage ``before``, border stage ``across`` and island stage
+    ``after`` in order; with several pieces, piece q's border stage runs on the pipeline
+    thread while this thread works on the island stages of pieces q+1 and q-1."""
+    if count == 1:
+        before(0)
+        across(0)
+        after(0)
+        return
+    crossing: list[tuple[int, Future]] = []
+    for q in range(count):
+        before(q)
+        crossing.append((q, ctx.pipeline.submit(across, q)))
+        if len(crossing) > 1:
+            _after_crossing(ctx, *crossing.pop(0), after)
+    for done in crossing:
+        _after_crossing(ctx, *done, after)
+
+
+def _after_crossing(ctx: PlanContext, q: int, crossed: Future, after: Callable[[int], None]) -> None:
+    try:
+        crossed.result(timeout=max(ctx.deadline - time.monotonic(), 0.0))
+    except TimeoutError:
+        raise HetCCLTimeoutError("the border stage of a pipelined piece passed the deadline") from None
+    after(q)
+
+
+def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
+    """Reduce-scatter to lane owners, allreduce across islands per lane, allgather back,
+    in pieces of ``ctx.piece_bytes`` whose border stages overlap the island stages."""
     if len(ctx.topo.islands) == 1:
         ctx.island.allreduce(buf, op)
         return
-    step = max(ctx.piece_bytes // buf.element_size(), 1)
-    pieces = [buf[start:start + step] for start in range(0, buf.numel(), step)]
-    if ctx.pipeline is None or len(pieces) == 1:
-        for piece in pieces:
-            ctx.island.reduce_scatter(piece, ctx.lane_counts(piece.numel()), op)
-            _lane_allreduce(ctx, piece, op)
-            ctx.island.allgather(piece, ctx.lane_counts(piece.numel()))
-        return
-    crossing: list[tuple[torch.Tensor, Future]] = []
-    for piece in pieces:
-        ctx.island.reduce_scatter(piece, ctx.lane_counts(piece.numel()), op)
-        crossing.append((piece, ctx.pipeline.submit(_lane_allreduce, ctx, piece, op)))
-        if len(crossing) > 1:
-            _finish_piece(ctx, *crossing.pop(0))
-    for done in crossing:
-        _finish_piece(ctx, *done)
+    count = _piece_count(ctx, [(0, buf.numel())], buf.element_size())
+    pieces = [_view(buf, _piece((0, buf.numel()), q, count)) for q in range(count)]
+    _pipelined(ctx, count,
+               lambda q: ctx.island.reduce_scatter(pieces[q], ctx.lane_counts(pieces[q].numel()), op),
+               lambda q: _lane_allreduce(ctx, pieces[q], op),
+               lambda q: ctx.island.allgather(pieces[q], ctx.lane_counts(pieces[q].numel())))
 
 
 def _lane_allreduce(ctx: PlanContext, piece: torch.Tensor, op: str) -> None:
@@ -175,17 +203,11 @@ def _lane_allreduce(ctx: PlanContext, piece: torch.Tensor, op: str) -> None:
         _cross_allreduce(ctx, segment, op, ctx.topo.lane_peers(ctx.lane))
 
 
-def _finish_piece(ctx: PlanContext, piece: torch.Tensor, crossed: Future) -> None:
-    """Stage 3 for one piece once its border stage is done: allgather inside the island."""
-    try:
-        crossed.result(timeout=max(ctx.deadline - time.monotonic(), 0.0))
-    except TimeoutError:
-        raise HetCCLTimeoutError("the border stage of a pipelined piece passed the deadline") from None
-    ctx.island.allgather(piece, ctx.lane_counts(piece.numel()))
-
-
 def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
-    """Reduce the island-major ``buf`` of one chunk per rank; returns this rank's reduced chunk."""
+    """Reduce the island-major ``buf`` of one chunk per rank; returns this rank's reduced chunk.
+
+    Piece by piece: reduce-scatter each island region inside, lane owners swap their parts
+    of the other islands' regions and reduce what they get, allgather the island's region."""
     topo, isl = ctx.topo, ctx.my_island
     chunk = buf.numel() // topo.world_size
     local = topo.local_rank(ctx.rank)
@@ -193,43 +215,66 @@ def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
         ctx.island.reduce_scatter(buf, [chunk] * isl.size, op)
         return _view(buf, (local * chunk, chunk))
     regions = region_spans(topo, chunk)
-    for span in regions:
-        ctx.island.reduce_scatter(_view(buf, span), ctx.lane_counts(span[1]), op)
-    if ctx.lane is not None:
-        peers = topo.lane_peers(ctx.lane)
-        part = lambda j: _view(buf, _lane_part(regions[j], topo.lanes, ctx.lane))  # noqa: E731
-        mine = part(isl.index)
-        others = [j for j in range(len(peers)) if j != isl.index]
+    count = _piece_count(ctx, regions, buf.element_size())
+    others = [j for j in range(len(topo.islands)) if j != isl.index]
+
+    def part(j: int, q: int) -> torch.Tensor:
+        return _view(buf, _lane_part(_piece(regions[j], q, count), topo.lanes, ctx.lane))
+
+    def inside(q: int) -> None:
+        for span in regions:
+            piece = _piece(span, q, count)
+            ctx.island.reduce_scatter(_view(buf, piece), ctx.lane_counts(piece[1]), op)
+
+    def across(q: int) -> None:
+        if ctx.lane is None:
+            return
+        peers, mine = topo.lane_peers(ctx.lane), part(isl.index, q)
         partials = [ctx.scratch.get(j, mine.numel(), buf) for j in others]
-        ctx.exchange(sends=[(peers[j], part(j)) for j in others],
+        ctx.exchange(sends=[(peers[j], part(j, q)) for j in others],
                      recvs=[(peers[j], partial) for j, partial in zip(others, partials)])
         for partial in partials:
             combine(mine, partial, op)
-    region = _view(buf, regions[isl.index])
-    counts = ctx.lane_counts(region.numel())
-    if counts != [chunk] * isl.size:
-        ctx.island.allgather(region, counts)
-    return _view(region, (local * chunk, chunk))
+
+    def gather(q: int) -> None:
+        piece = _piece(regions[isl.index], q, count)
+        counts = ctx.lane_counts(piece[1])
+        if count > 1 or counts != [chunk] * isl.size:  # whole, the lane split may be the chunk split
+            ctx.island.allgather(_view(buf, piece), counts)
+
+    _pipelined(ctx, count, inside, across, gather)
+    return _view(buf, (regions[isl.index][0] + local * chunk, chunk))
 
 
 def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
-    """Gather the island-major ``buf`` whose own chunk is filled in, on every rank."""
+    """Gather the island-major ``buf`` whose own chunk is filled in, on every rank: the
+    island's region inside, then piece by piece its lane parts across and the other
+    islands' regions inside."""
     topo, isl = ctx.topo, ctx.my_island
     chunk = buf.numel() // topo.world_size
     if len(topo.islands) == 1:
         ctx.island.allgather(buf, [chunk] * isl.size)
         return
     regions = region_spans(topo, chunk)
+    count = _piece_count(ctx, regions, buf.element_size())
     ctx.island.allgather(_view(buf, regions[isl.index]), [chunk] * isl.size)
     others = [j for j in range(len(topo.islands)) if j != isl.index]
-    if ctx.lane is not None:
-        peers = topo.lane_peers(ctx.lane)
-        part = lambda j: _view(buf, _lane_part(regions[j], topo.lanes, ctx.lane))  # noqa: E731
-        ctx.exchange(sends=[(peers[j], part(isl.index)) for j in others],
-                     recvs=[(peers[j], part(j)) for j in others])
-    for j in others:
-        region = _view(buf, regions[j])
-        ctx.island.allgather(region, ctx.lane_counts(region.numel()))
+
+    def part(j: int, q: int) -> torch.Tensor:
+        return _view(buf, _lane_part(_piece(regions[j], q, count), topo.lanes, ctx.lane))
+
+    def across(q: int) -> None:
+        if ctx.lane is not None:
+            peers = topo.lane_peers(ctx.lane)
+            ctx.exchange(sends=[(peers[j], part(isl.index, q)) for j in others],
+                         recvs=[(peers[j], part(j, q)) for j in others])
+
+    def spread(q: int) -> None:
+        for j in others:
+            piece = _view(buf, _piece(regions[j], q, count))
+            ctx.island.allgather(piece, ctx.lane_counts(piece.numel()))
+
+    _pipelined(ctx, count, lambda q: None, across, spread)
 
 
 def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
