@@ -247,9 +247,8 @@ def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
-    """Gather the island-major ``buf`` whose own chunk is filled in, on every rank: the
-    island's region inside, then piece by piece its lane parts across and the other
-    islands' regions inside."""
+    """Gather the island-major ``buf`` whose own chunk is filled in, on every rank, piece by
+    piece: the island's region inside, its lane parts across, the other regions inside."""
     topo, isl = ctx.topo, ctx.my_island
     chunk = buf.numel() // topo.world_size
     if len(topo.islands) == 1:
@@ -257,8 +256,13 @@ def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
         return
     regions = region_spans(topo, chunk)
     count = _piece_count(ctx, regions, buf.element_size())
-    ctx.island.allgather(_view(buf, regions[isl.index]), [chunk] * isl.size)
     others = [j for j in range(len(topo.islands)) if j != isl.index]
+
+    def gather_own(q: int) -> None:  # each rank's share of the piece is the part of its chunk in it
+        offset, length = _piece((0, isl.size * chunk), q, count)
+        ctx.island.allgather(_view(buf, (regions[isl.index][0] + offset, length)),
+                             [max(min(offset + length, (i + 1) * chunk) - max(offset, i * chunk), 0)
+                              for i in range(isl.size)])
 
     def part(j: int, q: int) -> torch.Tensor:
         return _view(buf, _lane_part(_piece(regions[j], q, count), topo.lanes, ctx.lane))
@@ -274,7 +278,7 @@ def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
             piece = _view(buf, _piece(regions[j], q, count))
             ctx.island.allgather(piece, ctx.lane_counts(piece.numel()))
 
-    _pipelined(ctx, count, lambda q: None, across, spread)
+    _pipelined(ctx, count, gather_own, across, spread)
 
 
 def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
