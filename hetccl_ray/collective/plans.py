@@ -32,7 +32,7 @@ from hetccl_ray.collective.island import IslandComm
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology, split
-from hetccl_ray.transport.base import Border, Tag
+from hetccl_ray.transport.base import Border, Handle, Tag
 
 Span = tuple[int, int]
 
@@ -96,12 +96,15 @@ class PlanContext:
             handles.append(self.border.irecv(*reduce_from[:2], self.tag, op=reduce_from[2]))
         handles += [self.border.isend(peer, buf, self.tag) for peer, buf in sends if buf.numel()]
         for handle in handles:
-            left = self.deadline - time.monotonic()
-            try:
-                handle.wait(max(left, 0.0))
-            except HetCCLTimeoutError as exc:
-                exc.waiting_for = handle.peer
-                raise
+            self.wait(handle)
+
+    def wait(self, handle: Handle) -> None:
+        """Wait for one transfer before the op's deadline; a timeout names the peer waited for."""
+        try:
+            handle.wait(max(self.deadline - time.monotonic(), 0.0))
+        except HetCCLTimeoutError as exc:
+            exc.waiting_for = handle.peer
+            raise
 
 
 def _view(buf: torch.Tensor, span: Span) -> torch.Tensor:

@@ -18,7 +18,6 @@ size threshold weighs the extra bytes against the saved hops). Plans import no R
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -27,7 +26,7 @@ import torch
 
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement
 from hetccl_ray.collective.reduction import combine, copy
-from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
+from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
 
 Rows = dict[int, list[int]]
@@ -83,12 +82,7 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
     def wait(handles) -> None:
         nonlocal spilled
         for handle in handles:
-            left = ctx.deadline - time.monotonic()
-            try:
-                handle.wait(max(left, 0.0))
-            except HetCCLTimeoutError as exc:
-                exc.waiting_for = handle.peer
-                raise
+            ctx.wait(handle)
             if handle.kind == "recv":
                 rows.update(_unpack(handle.extra))
                 spilled |= handle.spill is not None
@@ -142,24 +136,32 @@ def _verdict(rows: Rows, world: int, spilled: bool) -> Optional[str]:
 
 # -- the ops --------------------------------------------------------------------------------------
 
+def _fold(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
+    """out = parts[0] op parts[1] op ..., in the order given: every rank folds alike."""
+    copy(out, parts[0])
+    for part in parts[1:]:
+        combine(out, part, op)
+
+
+def _by_island(got: list[tuple[int, torch.Tensor]], index: int, own: torch.Tensor) -> list[torch.Tensor]:
+    """What arrived from the other leaders and this island's own part, in island order."""
+    parts = dict(got)
+    parts[index] = own
+    return [parts[j] for j in sorted(parts)]
+
+
 def allreduce(ctx, call: Call, buf: torch.Tensor, op: str) -> Optional[str]:
     """Members send to the leader, leaders swap island partials, leaders send the total down."""
-    n, k = buf.numel(), len(ctx.topo.islands)
+    n = buf.numel()
     partial = ctx.scratch.get("tree-partial", n, buf)
     total = ctx.scratch.get("tree-total", n, buf)
     state = {}
 
     def land_up(got):
-        copy(partial, buf)
-        for _, part in got:
-            combine(partial, part, op)
+        _fold(partial, [buf] + [part for _, part in got], op)
 
     def land_across(got):
-        parts = dict(got)
-        parts[ctx.my_island.index] = partial
-        copy(total, parts[0])
-        for j in range(1, k):
-            combine(total, parts[j], op)
+        _fold(total, _by_island(got, ctx.my_island.index, partial), op)
 
     def land_down(got):
         state["result"] = got
@@ -175,25 +177,18 @@ def allreduce(ctx, call: Call, buf: torch.Tensor, op: str) -> Optional[str]:
 def reduce(ctx, call: Call, buf: torch.Tensor, root: int, op: str) -> Optional[str]:
     """Like allreduce, but partials go only to the root island's leader, the total only to root."""
     topo = ctx.topo
-    n, k, home = buf.numel(), len(topo.islands), topo.island_of(root).index
+    n, home = buf.numel(), topo.island_of(root).index
     partial = ctx.scratch.get("tree-partial", n, buf)
     total = ctx.scratch.get("tree-total", n, buf)
     state = {}
 
     def land_up(got):
-        copy(partial, buf)
-        for _, part in got:
-            combine(partial, part, op)
+        _fold(partial, [buf] + [part for _, part in got], op)
 
     def land_across(got):
-        if ctx.my_island.index != home:
-            return
-        parts = dict(got)
-        parts[home] = partial
-        copy(total, parts[0])
-        for j in range(1, k):
-            combine(total, parts[j], op)
-        state["result"] = total
+        if ctx.my_island.index == home:
+            _fold(total, _by_island(got, home, partial), op)
+            state["result"] = total
 
     def finish():
         if ctx.rank == root:
@@ -264,7 +259,6 @@ def reducescatter(ctx, call: Call, buf: torch.Tensor, out: torch.Tensor, op: str
     topo = ctx.topo
     order = topo.island_major_order()
     chunk = out.numel()
-    k = len(topo.islands)
     slot = {rank: order.index(rank) for rank in range(topo.world_size)}
     starts = {island.index: slot[island.ranks[0]] * chunk for island in topo.islands}
     sizes = {island.index: island.size * chunk for island in topo.islands}
@@ -276,17 +270,10 @@ def reducescatter(ctx, call: Call, buf: torch.Tensor, out: torch.Tensor, op: str
         return partial[starts[j]:starts[j] + sizes[j]]
 
     def land_up(got):
-        copy(partial, buf)
-        for _, part in got:
-            combine(partial, part, op)
+        _fold(partial, [buf] + [part for _, part in got], op)
 
     def land_across(got):
-        me = ctx.my_island.index
-        parts = dict(got)
-        parts[me] = region(me)
-        copy(total, parts[0])
-        for j in range(1, k):
-            combine(total, parts[j], op)
+        _fold(total, _by_island(got, ctx.my_island.index, region(ctx.my_island.index)), op)
 
     def down(rank: int) -> torch.Tensor:
         at = (slot[rank] - slot[ctx.rank]) * chunk
