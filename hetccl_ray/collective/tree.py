@@ -75,7 +75,7 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
     border, tag = ctx.direct, Tag(OP_CODES["check"], call.seq, 0)  # one tag whatever each rank called
     like = torch.empty(0, dtype=torch.uint8) if like is None else like
     empty = like[:0]
-    counts = shape or Shape(_none, _none, _none, *([None] * 6))
+    up, across, down = (shape.up, shape.across, shape.down) if shape else (_none, _none, _none)
     rows: Rows = {rank: call.encode()}
     spilled = False
 
@@ -95,8 +95,8 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
         return border.isend(peer, buf if buf is not None else empty, tag, extra=_pack(extra))
 
     if rank != leader:
-        wait([send(leader, shape.send_up() if shape and counts.up(rank) else None, rows)])
-        buf, handle = receive(leader, counts.down(rank), "down")
+        wait([send(leader, shape.send_up() if up(rank) else None, rows)])
+        buf, handle = receive(leader, down(rank), "down")
         wait([handle])
         problem = _verdict(rows, topo.world_size, spilled)
         if problem is None and shape:
@@ -104,22 +104,22 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
             shape.finish()
         return problem
     members = [r for r in isl.ranks if r != leader]
-    ups = [receive(m, counts.up(m), "up") for m in members]
+    ups = [receive(m, up(m), "up") for m in members]
     wait([handle for _, handle in ups])
     if shape and not spilled:
         shape.land_up(list(zip(members, [buf for buf, _ in ups])))
     me = isl.index
     others = [j for j in range(len(leaders)) if j != me]
     island_rows = dict(rows)
-    acrosses = [receive(leaders[j], counts.across(j, me), "across") for j in others]
-    sends = [send(leaders[j], shape.send_across(j) if shape and counts.across(me, j) and not spilled else None,
-                  island_rows) for j in others]
+    acrosses = [receive(leaders[j], across(j, me), "across") for j in others]
+    sends = [send(leaders[j], shape.send_across(j) if across(me, j) and not spilled else None, island_rows)
+             for j in others]
     wait(sends + [handle for _, handle in acrosses])
     if shape and not spilled:
         shape.land_across(list(zip(others, [buf for buf, _ in acrosses])))
     problem = _verdict(rows, topo.world_size, spilled)
     agreed = problem is None and shape is not None
-    wait([send(m, shape.send_down(m) if agreed and counts.down(m) else None, rows) for m in members])
+    wait([send(m, shape.send_down(m) if agreed and down(m) else None, rows) for m in members])
     if agreed:
         shape.finish()
     return problem
