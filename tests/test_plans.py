@@ -96,7 +96,8 @@ def test_allgather(layout, chunk, piece_bytes):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n", SIZES)
-def test_broadcast_every_root(layout, n):
+@pytest.mark.parametrize("piece_bytes", [None, 24])  # whole, and pipelined pieces
+def test_broadcast_every_root(layout, n, piece_bytes):
     islands = LAYOUTS[layout]
     k = len(set(islands))
     for root in range(len(islands)):
@@ -107,7 +108,7 @@ def test_broadcast_every_root(layout, n):
             plans.broadcast(ctx, buf, root)
             return buf.numpy()
 
-        results, borders = run_ranks(islands, body)
+        results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
         for got in results:
             np.testing.assert_array_equal(got, data[root])
         assert border_total(borders) == (k - 1) * n * 8
@@ -115,7 +116,8 @@ def test_broadcast_every_root(layout, n):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("op", ["sum", "max"])
-def test_reduce_every_root(layout, op):
+@pytest.mark.parametrize("piece_bytes", [None, 24])  # whole, and pipelined pieces
+def test_reduce_every_root(layout, op, piece_bytes):
     islands = LAYOUTS[layout]
     k, n = len(set(islands)), 13
     data = inputs(len(islands), n, seed=3)
@@ -125,7 +127,7 @@ def test_reduce_every_root(layout, op):
             plans.reduce(ctx, buf, root, op)
             return buf.numpy()
 
-        results, borders = run_ranks(islands, body)
+        results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
         np.testing.assert_array_equal(results[root], NUMPY_OPS[op](data, axis=0))
         assert border_total(borders) == (k - 1) * n * 8
 

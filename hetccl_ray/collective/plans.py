@@ -191,9 +191,8 @@ def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
     if len(ctx.topo.islands) == 1:
         ctx.island.allreduce(buf, op)
         return
-    count = _piece_count(ctx, [(0, buf.numel())], buf.element_size())
-    pieces = [_view(buf, _piece((0, buf.numel()), q, count)) for q in range(count)]
-    _pipelined(ctx, count,
+    pieces = _whole_pieces(ctx, buf)
+    _pipelined(ctx, len(pieces),
                lambda q: ctx.island.reduce_scatter(pieces[q], ctx.lane_counts(pieces[q].numel()), op),
                lambda q: _lane_allreduce(ctx, pieces[q], op),
                lambda q: ctx.island.allgather(pieces[q], ctx.lane_counts(pieces[q].numel())))
@@ -284,46 +283,70 @@ def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
     _pipelined(ctx, count, gather_own, across, spread)
 
 
+def _whole_pieces(ctx: PlanContext, buf: torch.Tensor) -> list[torch.Tensor]:
+    """``buf`` in the pipeline's pieces (one piece in a group of one island)."""
+    whole = (0, buf.numel())
+    count = _piece_count(ctx, [whole], buf.element_size()) if len(ctx.topo.islands) > 1 else 1
+    return [_view(buf, _piece(whole, q, count)) for q in range(count)]
+
+
 def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
-    """Root's island broadcasts inside, its lane owners send each lane's part across."""
+    """Piece by piece: root's island broadcasts inside, its lane owners send each lane's part
+    across, the other islands allgather the parts."""
     topo, isl = ctx.topo, ctx.my_island
-    root_island = topo.island_of(root).index
-    part = None
-    if ctx.lane is not None:
-        part = ctx.lane_segment(buf)
-    if isl.index == root_island:
-        ctx.island.broadcast(buf, topo.local_rank(root))
-        if part is not None:
-            peers = topo.lane_peers(ctx.lane)
-            ctx.exchange(sends=[(peers[j], part) for j in range(len(peers)) if j != isl.index], recvs=[])
-        return
-    if part is not None:
-        ctx.exchange(sends=[], recvs=[(topo.lane_peers(ctx.lane)[root_island], part)])
-    ctx.island.allgather(buf, ctx.lane_counts(buf.numel()))
+    home = topo.island_of(root).index
+    pieces = _whole_pieces(ctx, buf)
+
+    def inside(q: int) -> None:
+        if isl.index == home:
+            ctx.island.broadcast(pieces[q], topo.local_rank(root))
+
+    def across(q: int) -> None:
+        if ctx.lane is None:
+            return
+        peers, part = topo.lane_peers(ctx.lane), ctx.lane_segment(pieces[q])
+        if isl.index == home:
+            ctx.exchange(sends=[(peers[j], part) for j in range(len(peers)) if j != home], recvs=[])
+        else:
+            ctx.exchange(sends=[], recvs=[(peers[home], part)])
+
+    def spread(q: int) -> None:
+        if isl.index != home:
+            ctx.island.allgather(pieces[q], ctx.lane_counts(pieces[q].numel()))
+
+    _pipelined(ctx, len(pieces), inside, across, spread)
 
 
 def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
-    """Reduce-scatter in each island, lane owners send partials to the root's island, gather at root."""
+    """Piece by piece: reduce-scatter in each island, lane owners send partials to the root's
+    island, which reduces them and gathers the piece at root."""
     topo, isl = ctx.topo, ctx.my_island
-    root_island = topo.island_of(root)
+    home = topo.island_of(root).index
     if len(topo.islands) == 1:
         ctx.island.reduce(buf, topo.local_rank(root), op)
         return
-    counts = ctx.lane_counts(buf.numel())
-    ctx.island.reduce_scatter(buf, counts, op)
-    if ctx.lane is not None:
-        peers = topo.lane_peers(ctx.lane)
-        part = ctx.lane_segment(buf)
-        if isl.index == root_island.index:
-            others = [j for j in range(len(peers)) if j != isl.index]
-            partials = [ctx.scratch.get(j, part.numel(), buf) for j in others]
-            ctx.exchange(sends=[], recvs=[(peers[j], partial) for j, partial in zip(others, partials)])
-            for partial in partials:
-                combine(part, partial, op)
-        else:
-            ctx.exchange(sends=[(peers[root_island.index], part)], recvs=[])
-    if isl.index == root_island.index:
-        ctx.island.gather(buf, counts, topo.local_rank(root))
+    pieces = _whole_pieces(ctx, buf)
+
+    def across(q: int) -> None:
+        if ctx.lane is None:
+            return
+        peers, part = topo.lane_peers(ctx.lane), ctx.lane_segment(pieces[q])
+        if isl.index != home:
+            ctx.exchange(sends=[(peers[home], part)], recvs=[])
+            return
+        others = [j for j in range(len(peers)) if j != home]
+        partials = [ctx.scratch.get(j, part.numel(), buf) for j in others]
+        ctx.exchange(sends=[], recvs=[(peers[j], partial) for j, partial in zip(others, partials)])
+        for partial in partials:
+            combine(part, partial, op)
+
+    def gather(q: int) -> None:
+        if isl.index == home:
+            ctx.island.gather(pieces[q], ctx.lane_counts(pieces[q].numel()), topo.local_rank(root))
+
+    _pipelined(ctx, len(pieces),
+               lambda q: ctx.island.reduce_scatter(pieces[q], ctx.lane_counts(pieces[q].numel()), op),
+               across, gather)
 
 
 def _by_island(ctx: PlanContext, buf: torch.Tensor, peer: int) -> bool:
