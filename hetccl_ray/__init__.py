@@ -23,7 +23,8 @@ from hetccl_ray.topology import ISLAND_LABEL, Topology
 __version__ = "0.1.0"
 __all__ = ["BACKEND", "GroupOptions", "HetCCLGroup", "HetCCLError", "HetCCLTimeoutError", "HetCCLPeerError",
            "HetCCLMismatchError", "HetCCLBrokenError", "HetCCLInputError", "HetCCLTypeError", "ISLAND_LABEL",
-           "Topology", "register", "setup_worker", "set_group_options", "create_collective_group", "get_group", "get_torch_group", "border_stats"]
+           "Topology", "register", "setup_worker", "set_group_options", "create_collective_group", "get_group",
+           "get_torch_group", "border_stats"]
 
 _NAME_GRACE_S = 10.0
 

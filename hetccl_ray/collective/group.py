@@ -77,6 +77,16 @@ def _default_host() -> str:
         return "127.0.0.1"
 
 
+def _timed(op: Callable[[], None], rounds: int) -> list[float]:
+    """Seconds each of ``rounds`` calls of ``op`` took."""
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - started)
+    return times
+
+
 class _Progress:
     """Publishes this rank's last started op, so a timed-out peer can name who is missing."""
 
@@ -188,17 +198,9 @@ class HetCCLGroup(BaseGroup):
             self.small_bytes = dict.fromkeys(costs.OPS, self.options.small_bytes or 0)
             return
         self.small_bytes = dict.fromkeys(costs.OPS, costs.MAX_SMALL_BYTES)  # the probes below go small
-        def timed(op: Callable[[], None], rounds: int) -> list[float]:
-            times = []
-            for _ in range(rounds):
-                started = time.perf_counter()
-                op()
-                times.append(time.perf_counter() - started)
-            return times
-
-        hops = timed(self.barrier, _PROBE_ROUNDS + 1)[1:]
-        moves = {size: timed(lambda probe=torch.zeros(size // 8, dtype=torch.float64): self.broadcast(probe),
-                             _PROBE_ROUNDS) for size in _PROBE_BYTES}
+        hops = _timed(self.barrier, _PROBE_ROUNDS + 1)[1:]
+        moves = {size: _timed(lambda probe=torch.zeros(size // 8, dtype=torch.float64): self.broadcast(probe),
+                              _PROBE_ROUNDS) for size in _PROBE_BYTES}
         measured = costs.measure(hops, moves, self.topology)
         agreed = torch.tensor([measured.hop_s, measured.bytes_per_s], dtype=torch.float64)
         self.broadcast(agreed)
@@ -287,8 +289,9 @@ class HetCCLGroup(BaseGroup):
     def border_stats(self) -> dict[str, Any]:
         """Bytes this rank sent/received over the border, in all and per op; the transport to
         each lane peer; how GPU tensors reach an RDMA NIC (dmabuf, peermem or staged)."""
-        sent, received = self._probe_bytes
-        return {"bytes_sent": self.border.bytes_sent - sent, "bytes_received": self.border.bytes_received - received,
+        sent, received = self._probe_bytes  # formation's probes are not the user's traffic
+        return {"bytes_sent": self.border.bytes_sent - sent,
+                "bytes_received": self.border.bytes_received - received,
                 "last_op_bytes_sent": self.last_op_bytes_sent, "per_op": dict(self._sent_by_op),
                 "rejected_connections": self.border.rejected,
                 "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()},
