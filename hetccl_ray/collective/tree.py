@@ -150,15 +150,19 @@ def _by_island(got: list[tuple[int, torch.Tensor]], index: int, own: torch.Tenso
     return [parts[j] for j in sorted(parts)]
 
 
+def _island_partial(ctx, buf: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """Scratch for the island's partial and the total, and the leader's hook that folds its
+    own buffer with its members' (in local rank order) into the partial."""
+    partial = ctx.scratch.get("tree-partial", buf.numel(), buf)
+    total = ctx.scratch.get("tree-total", buf.numel(), buf)
+    return partial, total, lambda got: _fold(partial, [buf] + [part for _, part in got], op)
+
+
 def allreduce(ctx, call: Call, buf: torch.Tensor, op: str) -> Optional[str]:
     """Members send to the leader, leaders swap island partials, leaders send the total down."""
     n = buf.numel()
-    partial = ctx.scratch.get("tree-partial", n, buf)
-    total = ctx.scratch.get("tree-total", n, buf)
+    partial, total, land_up = _island_partial(ctx, buf, op)
     state = {}
-
-    def land_up(got):
-        _fold(partial, [buf] + [part for _, part in got], op)
 
     def land_across(got):
         _fold(total, _by_island(got, ctx.my_island.index, partial), op)
@@ -178,12 +182,8 @@ def reduce(ctx, call: Call, buf: torch.Tensor, root: int, op: str) -> Optional[s
     """Like allreduce, but partials go only to the root island's leader, the total only to root."""
     topo = ctx.topo
     n, home = buf.numel(), topo.island_of(root).index
-    partial = ctx.scratch.get("tree-partial", n, buf)
-    total = ctx.scratch.get("tree-total", n, buf)
+    partial, total, land_up = _island_partial(ctx, buf, op)
     state = {}
-
-    def land_up(got):
-        _fold(partial, [buf] + [part for _, part in got], op)
 
     def land_across(got):
         if ctx.my_island.index == home:
