@@ -352,7 +352,7 @@ class HetCCLGroup(BaseGroup):
     def _small(self, call: Call) -> bool:
         """Whether a call goes by the small-message round: its buffer (nccl-tests' size) is at
         most the group's threshold for that op."""
-        per_rank = call.numel * torch.tensor([], dtype=call.dtype).element_size()
+        per_rank = call.numel * call.dtype.itemsize
         whole = per_rank * (self.world_size if call.op in ("allgather", "reducescatter") else 1)
         return whole <= self.small_bytes.get(call.op, 0)
 

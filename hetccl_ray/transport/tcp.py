@@ -100,15 +100,15 @@ class _Outgoing:
     """One message on its way out: header and control bytes, then the payload's views."""
 
     def __init__(self, tag: Tag, buf: torch.Tensor, extra: bytes, handle: Handle, link: "_Link") -> None:
-        self.handle, self.nbytes = handle, buf.numel() * buf.element_size()
-        self.pending = [memoryview(tag.header(self.nbytes, len(extra)) + extra)]
+        self.handle, self.moved = handle, buf.numel() * buf.element_size()
+        self.pending = [memoryview(tag.header(self.moved, len(extra)) + extra)]
         if buf.device.type == "cpu":
             self.pending.append(_byte_view(buf))
             self.later: Iterator[memoryview] = iter(())
         else:
             self.later = _staged_views(buf, link.send_slots())
 
-    def step(self, sock: socket.socket) -> bool:
+    def step(self, link: "_Link") -> bool:
         """Write what the socket takes; True when the whole message is out."""
         while True:
             self.pending = [view for view in self.pending if len(view)]
@@ -118,7 +118,7 @@ class _Outgoing:
                     return True
                 self.pending.append(nxt)
                 continue
-            sent = sock.sendmsg(self.pending[:16])
+            sent = link.sock.sendmsg(self.pending[:16])
             while sent:
                 head = self.pending[0]
                 if sent >= len(head):
@@ -136,6 +136,8 @@ class _Incoming:
     def __init__(self, tag: Tag, buf: torch.Tensor, op: Optional[str], flexible: bool, handle: Handle) -> None:
         self.tag, self.buf, self.op, self.flexible, self.handle = tag, buf, op, flexible, handle
         self.nbytes = buf.numel() * buf.element_size()
+        self.moved = 0  # payload bytes the sender announced
+        self.direct = op is None and buf.device.type == "cpu"  # lands in ``buf`` as it is, unstaged
         self.header = bytearray(HEADER_SIZE)
         self.view, self.got = memoryview(self.header), 0
         self.phase = "header"
@@ -164,7 +166,7 @@ class _Incoming:
                 if sent > SPILL_LIMIT:
                     raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
                 self.handle.spill = bytearray(sent)
-            self.sent = sent
+            self.moved = sent
             self.phase, self.extra = "extra", bytearray(extra)
             return self._expect(memoryview(self.extra))
         if self.phase == "extra":
@@ -172,10 +174,10 @@ class _Incoming:
             self.phase = "payload"
             if self.handle.spill is not None:
                 return self._expect(memoryview(self.handle.spill))
-            if self.op is None and self.buf.device.type == "cpu":
+            if self.direct:
                 return self._expect(_byte_view(self.buf))
             return self._expect(self._landing(link))
-        if self.handle.spill is not None or (self.op is None and self.buf.device.type == "cpu"):
+        if self.handle.spill is not None or self.direct:
             return True
         flat = self.buf.reshape(-1)
         n = len(self.view) // flat.element_size()
@@ -224,30 +226,24 @@ class _Link:
 
     def progress(self) -> bool:
         """Move every queued message as far as the socket allows; True if one finished."""
-        finished = False
         try:
-            while self.sends:
-                try:
-                    if not self.sends[0].step(self.sock):
-                        break
-                except (BlockingIOError, InterruptedError):
-                    break
-                out = self.sends.popleft()
-                self.owner.count(sent=out.nbytes if self.counted else 0)
-                out.handle.finish()
-                finished = True
-            while self.recvs:
-                try:
-                    if not self.recvs[0].step(self):
-                        break
-                except (BlockingIOError, InterruptedError):
-                    break
-                inc = self.recvs.popleft()
-                self.owner.count(received=inc.sent if self.counted else 0)
-                inc.handle.finish()
-                finished = True
+            return self._drain(self.sends, "sent") | self._drain(self.recvs, "received")
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             self.fail(exc)
+            return True
+
+    def _drain(self, queue: "collections.deque", direction: str) -> bool:
+        """Finish queued messages in order until the socket would block; count their bytes."""
+        finished = False
+        while queue:
+            try:
+                if not queue[0].step(self):
+                    break
+            except (BlockingIOError, InterruptedError):
+                break
+            item = queue.popleft()
+            self.owner.count(**{direction: item.moved if self.counted else 0})
+            item.handle.finish()
             finished = True
         return finished
 
