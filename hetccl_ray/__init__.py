@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = ["BACKEND", "GroupOptions", "HetCCLGroup", "HetCCLError", "HetCCLTimeoutError", "HetCCLPeerError",
            "HetCCLMismatchError", "HetCCLBrokenError", "HetCCLInputError", "HetCCLTypeError", "ISLAND_LABEL",
            "Topology", "register", "setup_worker", "set_group_options", "create_collective_group", "get_group",
-           "get_torch_group", "border_stats"]
+           "get_torch_group", "alltoall", "border_stats"]
 
 _NAME_GRACE_S = 10.0
 
@@ -120,6 +120,16 @@ def get_torch_group(group: Any = None) -> HetCCLGroup:
         if isinstance(candidate, torch_backend.HetCCLProcessGroup):
             return candidate.group
     raise HetCCLError(f"process group {pg} does not run on the hetccl backend")
+
+
+def alltoall(tensor_list_in: Sequence[Any], tensor_list_out: Sequence[Any], group_name: str = "default") -> None:
+    """Inside an actor: all-to-all over a hetccl group (``ray.util.collective`` has none).
+
+    ``tensor_list_in[t]`` goes to rank t and ``tensor_list_out[r]`` is filled from rank r:
+    torch tensors or numpy arrays, one dtype and device, sizes free per pair as long as what
+    r sends t is what t expects from r (else a mismatch error on every rank, no data moved).
+    """
+    get_group(group_name).alltoall(tensor_list_in, tensor_list_out)
 
 
 def border_stats(group_name: str = "default") -> dict[str, Any]:

@@ -35,12 +35,15 @@ def actors():
         members = [actors[island][i] for island, i in picks]
         hetccl_ray.create_collective_group(members, len(members), list(range(len(members))),
                                            group_name=name, timeout_s=60, small_bytes=SMALL_BYTES)
+    picks = [actors[island][i] for island, i in LAYOUTS["three"]]  # the same ranks, pipelined in small pieces
+    hetccl_ray.create_collective_group(picks, len(picks), list(range(len(picks))), group_name="pieces",
+                                       timeout_s=60, small_bytes=SMALL_BYTES, piece_bytes=4096)
     yield actors
     test_cluster.stop(cluster)
 
 
 def members(actors, name):
-    return [actors[island][i] for island, i in LAYOUTS[name]]
+    return [actors[island][i] for island, i in LAYOUTS["three" if name == "pieces" else name]]
 
 
 def on_all(actors, name, fn, *args):
@@ -113,7 +116,96 @@ def sweep_sendrecv(name, rank, world):
     return got
 
 
+def block_sizes(world: int, kind: str) -> np.ndarray:
+    """Elements rank r sends rank t: even, uneven, uneven with zeros, or large (pipelined)."""
+    if kind == "even":
+        return np.full((world, world), 5)
+    sizes = np.random.default_rng(world).integers(0 if kind == "zeros" else 1, 40, size=(world, world))
+    if kind == "zeros":
+        sizes[:, 0] = 0  # nobody sends rank 0 anything
+        sizes[1, :] = 0  # rank 1 sends nothing
+    return sizes * (700 if kind == "large" else 1)
+
+
+def block(src: int, dst: int, n: int) -> np.ndarray:
+    return values(src, n, 100 + dst)
+
+
+def sweep_alltoall(name, rank, world, kinds):
+    out = {}
+    for kind in kinds:
+        sizes = block_sizes(world, kind)
+        for dtype in DTYPES if kind != "large" else ["float32"]:
+            lib = libs(dtype)[rank % len(libs(dtype))]
+            ins = [make(block(rank, t, sizes[rank, t]), dtype, lib) for t in range(world)]
+            outs = [make(np.full(sizes[r, rank], 99.0), dtype, lib) for r in range(world)]
+            hetccl_ray.alltoall(ins, outs, group_name=name)
+            out[kind, dtype] = ([as_float(t) for t in outs], _last_bytes(name))
+    group = hetccl_ray.get_group(name)
+    x = torch.tensor(block(rank, 0, 9), dtype=torch.float64)
+    listed = [torch.zeros(9, dtype=torch.float64) for _ in range(world)] if rank == world - 1 else None
+    group.gather(x, listed, world - 1)
+    out["gather"] = ([t.numpy() for t in listed] if listed else [], _last_bytes(name))
+    y = torch.zeros(9, dtype=torch.float64)
+    group.scatter(y, [torch.tensor(block(1, t, 9)) for t in range(world)] if rank == 1 else None, 1)
+    out["scatter"] = ([y.numpy()], _last_bytes(name))
+    return out
+
+
+def _wrong_split_then_right(name, rank, world):
+    """Rank 0 expects one element more from the last rank than it sends: every rank must
+    name the pair; then the same group runs a correct all-to-all."""
+    sizes = block_sizes(world, "even")
+    outs = [torch.zeros(int(sizes[r, rank]) + (rank == 0 and r == world - 1)) for r in range(world)]
+    try:
+        hetccl_ray.alltoall([torch.ones(int(n)) for n in sizes[rank]], outs, group_name=name)
+        error = None
+    except hetccl_ray.HetCCLMismatchError as exc:
+        error = str(exc)
+    ins = [torch.full((3,), float(rank * 10 + t)) for t in range(world)]
+    outs = [torch.zeros(3) for _ in range(world)]
+    hetccl_ray.alltoall(ins, outs, group_name=name)
+    return error, torch.cat(outs).numpy()
+
+
 # -- tests -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(LAYOUTS) + ["pieces"])
+def test_alltoall_even_uneven_every_dtype(actors, name):
+    kinds = ["large"] if name == "pieces" else ["even", "uneven", "zeros"]
+    results = on_all(actors, name, sweep_alltoall, kinds)
+    world = len(members(actors, name))
+    islands = [island for island, _ in LAYOUTS["three" if name == "pieces" else name]]
+    for key in results[0]:
+        if key in ("gather", "scatter"):
+            continue
+        kind, dtype = key
+        sizes = block_sizes(world, kind)
+        for rank in range(world):
+            for src in range(world):
+                np.testing.assert_array_equal(results[rank][key][0][src], block(src, rank, sizes[src, rank]),
+                                              err_msg=f"{key}: rank {rank} from {src}")
+        bound = sum(int(sizes[r, t]) for r in range(world) for t in range(world) if islands[r] != islands[t])
+        assert sum(results[r][key][1] for r in range(world)) == bound * itemsize(dtype), key
+    gathered = results[world - 1]["gather"][0]
+    for src in range(world):
+        np.testing.assert_array_equal(gathered[src], block(src, 0, 9))
+        np.testing.assert_array_equal(results[src]["scatter"][0][0], block(1, src, 9))
+    to_root = sum(islands[r] != islands[world - 1] for r in range(world))
+    assert sum(results[r]["gather"][1] for r in range(world)) == to_root * 9 * 8
+    from_root = sum(islands[t] != islands[1] for t in range(world))
+    assert sum(results[r]["scatter"][1] for r in range(world)) == from_root * 9 * 8
+
+
+@pytest.mark.parametrize("name", ["two", "three"])
+def test_alltoall_mismatched_splits_named_on_every_rank(actors, name):
+    results = on_all(actors, name, _wrong_split_then_right)
+    world = len(results)
+    for rank, (error, after) in enumerate(results):
+        assert error is not None and "alltoall #" in error, (rank, error)
+        assert f"rank {world - 1} sends 5 elements to rank 0, which expects 6" in error, (rank, error)
+        np.testing.assert_array_equal(after, np.array([float(r * 10 + rank) for r in range(world) for _ in range(3)]))
+
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_allreduce_every_dtype_size_op(actors, name):

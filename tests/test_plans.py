@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetccl_ray.collective import plans
+from hetccl_ray.collective import plans, routes
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.topology import Topology
 from tests.fakes import run_ranks
@@ -180,3 +180,54 @@ def test_lanes_capped():
 def test_unknown_op():
     with pytest.raises(ValueError, match="supported: sum, product, min, max"):
         combine(torch.zeros(1), torch.zeros(1), "avg")
+
+
+def _alltoall_counts(world: int, seed: int, zeros: bool) -> np.ndarray:
+    """Uneven element counts per (source, destination); some zero when ``zeros``."""
+    counts = np.random.default_rng(seed).integers(0 if zeros else 1, 9, size=(world, world))
+    if zeros:
+        counts[0, :] = 0  # one rank sends nothing at all
+    return counts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("piece_bytes", [None, 16, 800])
+@pytest.mark.parametrize("max_lanes", [None, 1])
+def test_alltoall_uneven(layout, zeros, piece_bytes, max_lanes):
+    islands = LAYOUTS[layout]
+    world = len(islands)
+    topo = Topology.from_islands(islands, max_lanes)
+    counts = _alltoall_counts(world, seed=world + zeros, zeros=zeros)
+    rng = np.random.default_rng(5)
+    data = {(r, t): rng.integers(-50, 50, size=counts[r, t]).astype(np.float32)
+            for r in range(world) for t in range(world)}
+
+    def body(ctx):
+        inputs = [torch.tensor(data[ctx.rank, t]) for t in range(world)]
+        outputs = [torch.full((int(counts[r, ctx.rank]),), float("nan")) for r in range(world)]
+        plans.alltoall(ctx, counts.tolist(), inputs, outputs)
+        return [out.numpy() for out in outputs]
+
+    results, borders = run_ranks(islands, body, piece_bytes=piece_bytes, max_lanes=max_lanes)
+    for t in range(world):
+        for r in range(world):
+            np.testing.assert_array_equal(results[t][r], data[r, t])
+    bound = sum(int(counts[r, t]) for r in range(world) for t in range(world) if islands[r] != islands[t]) * 4
+    assert border_total(borders) == bound == routes.across_bytes(topo, counts.tolist(), 4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_alltoall_routes_cross_once(layout):
+    topo = Topology.from_islands(LAYOUTS[layout])
+    moves = routes.moves(topo)
+    for r in range(topo.world_size):
+        for t in range(topo.world_size):
+            hops = [m for m in moves if m.block == (r, t)]
+            if r == t:
+                assert not hops  # a rank's own block is a local copy
+                continue
+            assert (hops[0].src, hops[-1].dst) == (r, t)
+            assert sum(m.stage == routes.ACROSS for m in hops) == (topo.island_of(r) != topo.island_of(t))
+            assert all(a.dst == b.src for a, b in zip(hops, hops[1:]))
+            assert [m.stage for m in hops] == sorted(m.stage for m in hops)

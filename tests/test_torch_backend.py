@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,10 +54,34 @@ def test_every_op_ddp_and_fsdp_use():
         expect = sum(torch.arange(world * 2, dtype=torch.float32) + r for r in range(world))[2 * rank:2 * rank + 2]
         torch.testing.assert_close(out["reduce_scatter_tensor"], expect)
         assert out["async_ok"]
-        assert "does not support all_to_all_single" in out["alltoall"]
     torch.testing.assert_close(results[-1]["recv"], torch.full((2,), 42.0))
     torch.testing.assert_close(results[0]["subgroup"], torch.full((2,), 4.0))
     torch.testing.assert_close(results[-1]["subgroup"], torch.full((2,), 4.0))
+
+
+def test_alltoall_gather_scatter_anysource_objects_match_numpy_and_gloo():
+    world = len(ISLANDS)
+    sizes = w.split_sizes(world)
+    hetccl = w.run(w.exchanges, ISLANDS, "hetccl")
+    gloo = w.run(w.exchanges, ISLANDS, "gloo")
+    for rank in range(world):
+        ours = hetccl[rank]
+        even = np.array([w.value(src, rank, i) for src in range(world) for i in range(2)]).reshape(-1, 1)
+        np.testing.assert_array_equal(ours["even"].numpy(), even)
+        uneven = np.array([w.value(src, rank, i) for src in range(world) for i in range(sizes[src][rank] * 3)])
+        np.testing.assert_array_equal(ours["uneven"].numpy().reshape(-1), uneven)
+        lists = np.concatenate([np.full(sizes[src][rank], src * 10 + rank) for src in range(world)])
+        np.testing.assert_array_equal(ours["lists"].numpy(), lists)
+        np.testing.assert_array_equal(ours["scatter"].numpy(), np.full(3, rank * 7.0))
+        assert ours["objects"] == [{"rank": r, "name": f"r{r}" * (r + 1)} for r in range(world)]
+        assert ours["broadcast_objects"] == [{"root": "says hi"}, 3]
+        for key in ours:
+            if isinstance(ours[key], torch.Tensor) and key != "lists":
+                torch.testing.assert_close(ours[key], gloo[rank][key], rtol=0, atol=0)
+    np.testing.assert_array_equal(hetccl[1]["gather"].numpy(), np.repeat(np.arange(world) + 5.0, 2))
+    assert hetccl[0]["senders"] == list(range(1, world))
+    for src in range(1, world):
+        np.testing.assert_array_equal(hetccl[0][f"from {src}"].numpy(), np.full(2, src * 11.0))
 
 
 def test_no_store_is_a_clear_error():

@@ -107,11 +107,65 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
         dist.all_reduce(t, group=sub)
         out["subgroup"] = t
     dist.barrier()
-    try:
-        dist.all_to_all_single(torch.zeros(world), torch.zeros(world))
-        out["alltoall"] = "no error"
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        out["alltoall"] = str(exc)
+    return out
+
+
+def split_sizes(world: int) -> list[list[int]]:
+    """Uneven rows from each rank to each, zeros included: ``sizes[src][dst]``."""
+    return [[(src * 3 + dst * 2) % 4 for dst in range(world)] for src in range(world)]
+
+
+def value(src: int, dst: int, i: int) -> float:
+    """The i-th element rank ``src`` sends rank ``dst``: tells every element apart."""
+    return src * 1000 + dst * 100 + i
+
+
+def exchanges(rank: int, world: int) -> dict[str, Any]:
+    """The ops beyond DDP/FSDP: all-to-all (even, uneven, lists), gather, scatter, recv from
+    any source, object collectives; each result also checked in the test against numpy."""
+    out = {}
+    even = torch.tensor([float(value(rank, dst, i)) for dst in range(world) for i in range(2)]).reshape(world * 2, 1)
+    got = torch.zeros(world * 2, 1)
+    dist.all_to_all_single(got, even)
+    out["even"] = got
+    sizes = split_sizes(world)
+    send = torch.tensor([value(rank, dst, i) for dst in range(world) for i in range(sizes[rank][dst] * 3)],
+                        dtype=torch.float64).reshape(-1, 3)
+    got = torch.zeros(sum(sizes[src][rank] for src in range(world)), 3, dtype=torch.float64)
+    work = dist.all_to_all_single(got, send, output_split_sizes=[sizes[src][rank] for src in range(world)],
+                                  input_split_sizes=sizes[rank], async_op=True)
+    work.wait()
+    out["uneven"] = got
+    if dist.get_backend() == "gloo":  # Gloo's list form takes one size only (NCCL's and hetccl's any)
+        sizes = [[2] * world for _ in range(world)]
+    ins = [torch.full((sizes[rank][dst],), rank * 10 + dst, dtype=torch.int32) for dst in range(world)]
+    outs = [torch.zeros(sizes[src][rank], dtype=torch.int32) for src in range(world)]
+    dist.all_to_all(outs, ins)
+    out["lists"] = torch.cat(outs)
+    gathered = [torch.zeros(2) for _ in range(world)] if rank == 1 else None
+    dist.gather(torch.full((2,), float(rank + 5)), gathered, dst=1)
+    if rank == 1:
+        out["gather"] = torch.cat(gathered)
+    piece = torch.zeros(3)
+    dist.scatter(piece, [torch.full((3,), float(dst * 7)) for dst in range(world)] if rank == 0 else None, src=0)
+    out["scatter"] = piece
+    if rank == 0:
+        senders = []
+        for _ in range(world - 1):
+            buf = torch.zeros(2)
+            src = dist.recv(buf)
+            senders.append(src)
+            out[f"from {src}"] = buf
+        out["senders"] = sorted(senders)
+    else:
+        dist.send(torch.full((2,), float(rank * 11)), dst=0)
+    objects = [None] * world
+    dist.all_gather_object(objects, {"rank": rank, "name": f"r{rank}" * (rank + 1)})
+    out["objects"] = objects
+    listed = [{"root": "says hi"}, 3] if rank == 2 else [None, None]
+    dist.broadcast_object_list(listed, src=2)
+    out["broadcast_objects"] = listed
+    dist.barrier()
     return out
 
 

@@ -16,7 +16,8 @@ import torch
 from hetccl_ray.collective.reduction import REDUCE_OPS
 from hetccl_ray.collective.tensors import SUPPORTED_DTYPES, dtype_code
 
-OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "barrier", "send", "check")
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "barrier", "send", "check", "alltoall",
+       "gather", "scatter")
 OP_CODES = {name: code for code, name in enumerate(OPS, start=1)}
 OP_CODES["recv"] = OP_CODES["send"]  # the two ends of one message carry the same tag
 ROW_WIDTH = 6
@@ -43,7 +44,8 @@ class Call:
         return cls(OPS[op - 1], SUPPORTED_DTYPES[dtype], numel, root, REDUCE_OPS[reduce - 1] if reduce else "", seq)
 
     def __str__(self) -> str:
-        parts = [str(self.dtype).replace("torch.", ""), f"{self.numel} elements"]
+        unit = "blocks" if self.op == "alltoall" else "elements"  # its block sizes are compared apart
+        parts = [str(self.dtype).replace("torch.", ""), f"{self.numel} {unit}"]
         if self.root >= 0:
             parts.append(f"root {self.root}")
         if self.reduce:

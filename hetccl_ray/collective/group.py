@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import ray
@@ -301,7 +302,8 @@ class HetCCLGroup(BaseGroup):
 
     def _run(self, call: Call, device: torch.device, body: Optional[Callable[[plans.PlanContext], Any]],
              small: Optional[Callable[[plans.PlanContext, Call], Optional[str]]] = None,
-             peer: Optional[int] = None) -> None:
+             peer: Optional[int] = None, check: Optional[Callable[[plans.PlanContext, Call], Optional[str]]] = None
+             ) -> None:
         """Run one op under the group's sequence number, deadline and error state.
 
         A collective on a CPU buffer up to the small-message threshold runs ``small`` (one
@@ -309,6 +311,8 @@ class HetCCLGroup(BaseGroup):
         runs that round with no data (unless ``check_calls`` is off), then its plan ``body``.
         Either way a rank that called something else is named on every rank before any
         user buffer is written, and the group stays usable. A barrier is the round itself.
+        ``check`` replaces that round for ops that must agree on more than the call (all-to-all's
+        block sizes); it always runs.
         """
         with self._lock:
             if self._broken is not None:
@@ -335,8 +339,8 @@ class HetCCLGroup(BaseGroup):
                 elif small is not None and device.type == "cpu" and self._small(call):
                     problem = small(ctx, replace(call, seq=seq))
                 else:
-                    if self.options.check_calls or body is None:
-                        problem = tree.check(ctx, replace(call, seq=seq))
+                    if check is not None or self.options.check_calls or body is None:
+                        problem = (check or tree.check)(ctx, replace(call, seq=seq))
                     if problem is None and body is not None and call.numel:
                         body(ctx)
             except (HetCCLError, RuntimeError) as exc:
@@ -390,8 +394,9 @@ class HetCCLGroup(BaseGroup):
                              f"{self.world_size} (0..{self.world_size - 1})")
         return rank
 
-    def _per_rank_list(self, lists: Any, what: str) -> list[Operand]:
-        tensor_list = self._one(lists, what)
+    def _per_rank_list(self, lists: Any, what: str, nested: bool = True) -> list[Operand]:
+        """One operand per rank; ``nested``: Ray's form, a list holding that list (multi-GPU)."""
+        tensor_list = self._one(lists, what) if nested else lists
         if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != self.world_size:
             got = len(tensor_list) if isinstance(tensor_list, (list, tuple)) else type(tensor_list).__name__
             raise HetCCLInputError(f"group '{self.group_name}': {what} must be a list of world_size="
@@ -462,6 +467,85 @@ class HetCCLGroup(BaseGroup):
                   lambda ctx: copy(out.flat, plans.reducescatter(ctx, buf, op)),
                   lambda ctx, c: tree.reducescatter(ctx, c, buf, out.flat, op))
         out.write_back()
+
+    # -- beyond Ray's BaseGroup: all-to-all, gather, scatter ---------------------------------------
+
+    def alltoall(self, tensor_list_in: Any, tensor_list_out: Any) -> None:
+        """Send ``tensor_list_in[t]`` to rank t, receive ``tensor_list_out[r]`` from rank r.
+        Sizes may differ per pair (MoE token routing), but what r sends t must be what t
+        expects from r: a pair that disagrees is a mismatch on every rank, no data moved."""
+        ins = self._per_rank_list(tensor_list_in, "alltoall tensor_list_in", nested=False)
+        outs = self._per_rank_list(tensor_list_out, "alltoall tensor_list_out", nested=False)
+        self.alltoall_flat([x.flat for x in ins], [x.flat for x in outs])
+        for out in outs:
+            out.write_back()
+
+    def alltoall_flat(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """:meth:`alltoall` on flat contiguous tensors (views of one buffer are fine)."""
+        same_kind(Operand(inputs[0]), [Operand(t) for t in [*inputs, *outputs]], "alltoall tensors", sizes=False)
+        mine = [t.numel() for t in inputs] + [t.numel() for t in outputs]
+        agreed = {"counts": [[mine[0]]]}  # a group of one: nothing to agree with
+
+        def check(ctx: plans.PlanContext, call: Call) -> Optional[str]:
+            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine)
+            return problem
+
+        if self.world_size == 1 and mine[0] != mine[1]:
+            raise HetCCLInputError(f"group '{self.group_name}': alltoall sends {mine[0]} elements to rank 0 "
+                                   f"but expects {mine[1]} from it")
+        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0].device,
+                  lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs), check=check)
+
+    def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
+        """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the
+        all-to-all plan with blocks to root only, so bytes cross the border once."""
+        x = Operand(self._one(tensor, "gather"))
+        root = self._rank_arg(root, "gather root")
+        outs = self._per_rank_list(gather_list, "gather_list", nested=False) if self.rank == root else []
+        same_kind(x, outs, "gather_list")
+        n, empty = x.numel, x.flat[:0]
+        counts = [[n if t == root else 0 for t in range(self.world_size)] for _ in range(self.world_size)]
+        ins = [x.flat if t == root else empty for t in range(self.world_size)]
+        flats = [o.flat for o in outs] or [empty] * self.world_size
+        self._run(Call("gather", x.flat.dtype, n, root), x.flat.device,
+                  lambda ctx: plans.alltoall(ctx, counts, ins, flats))
+        for out in outs:
+            out.write_back()
+
+    def scatter(self, tensor: Any, scatter_list: Any, root: int) -> None:
+        """``scatter_list[t]`` at ``root`` into rank t's ``tensor``: the all-to-all plan with
+        blocks from root only."""
+        x = Operand(self._one(tensor, "scatter"))
+        root = self._rank_arg(root, "scatter root")
+        ins = self._per_rank_list(scatter_list, "scatter_list", nested=False) if self.rank == root else []
+        same_kind(x, ins, "scatter_list")
+        n, empty = x.numel, x.flat[:0]
+        counts = [[n if r == root else 0 for _ in range(self.world_size)] for r in range(self.world_size)]
+        flats = [i.flat for i in ins] or [empty] * self.world_size
+        outs = [x.flat if r == root else empty for r in range(self.world_size)]
+        self._run(Call("scatter", x.flat.dtype, n, root), x.flat.device,
+                  lambda ctx: plans.alltoall(ctx, counts, flats, outs))
+        x.write_back()
+
+    def recv_any(self, tensor: Any) -> int:
+        """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
+        CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
+        x = Operand(self._one(tensor, "recv from any source"))
+        rdma = sorted(self.border.routes)
+        if x.flat.device.type != "cpu" or rdma:
+            why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
+            raise HetCCLInputError(f"group '{self.group_name}': recv from any source takes CPU tensors over the "
+                                   f"TCP border; here {why}; pass the source rank")
+        code = OP_CODES["send"]
+        expected = {peer: Tag(code, self._p2p_seq["recv", peer] + 1, dtype_code(x.flat.dtype))
+                    for peer in range(self.world_size) if peer != self.rank}
+        try:
+            source = self.border.default.first_arrival(expected, self.options.timeout_s)
+        except HetCCLTimeoutError as exc:
+            raise HetCCLTimeoutError(f"recv from any source in group '{self.group_name}' on rank {self.rank}: "
+                                     f"{exc}") from None
+        self.recv(x.user, SimpleNamespace(src_rank=source))
+        return source
 
     def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> Operand:
         x = Operand(self._one(tensor, op))

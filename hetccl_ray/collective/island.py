@@ -41,6 +41,9 @@ class IslandComm(Protocol):
     def gather(self, buf: torch.Tensor, counts: Sequence[int], root: int) -> None:
         """Each rank's own range is valid before; afterwards all of ``buf`` is, at ``root``."""
     def broadcast(self, buf: torch.Tensor, root: int) -> None: ...
+    def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_counts: Sequence[int],
+                 in_counts: Sequence[int]) -> None:
+        """``inp``'s i-th range goes to rank i; ``out``'s i-th range comes from rank i."""
     def reduce(self, buf: torch.Tensor, root: int, op: str) -> None: ...
     def send(self, buf: torch.Tensor, peer: int) -> None: ...
     def recv(self, buf: torch.Tensor, peer: int) -> None: ...
@@ -84,6 +87,10 @@ class SoloIsland:
 
     def reduce(self, buf: torch.Tensor, root: int, op: str) -> None:
         return None
+
+    def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_counts: Sequence[int],
+                 in_counts: Sequence[int]) -> None:
+        out.copy_(inp)
 
     def barrier(self) -> None:
         return None
@@ -201,6 +208,10 @@ class TorchIsland:
 
     def reduce(self, buf: torch.Tensor, root: int, op: str) -> None:
         self.pg.reduce([buf], self._opts(dist.ReduceOptions, op, root)).wait()
+
+    def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_counts: Sequence[int],
+                 in_counts: Sequence[int]) -> None:
+        self.pg.alltoall_base(out, inp, list(out_counts), list(in_counts), dist.AllToAllOptions()).wait()
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
         self.pg.send([buf], peer, 0).wait()

@@ -12,6 +12,7 @@ allreduce         2 (k - 1) S
 reducescatter     (k - 1) S        (S: the whole input, all chunks)
 allgather         (k - 1) S        (S: the whole output)
 broadcast/reduce  (k - 1) S
+alltoall          what the ranks of one island send the others
 ================  ==============================================
 
 A group of one island calls the vendor op directly. Plans import no Ray.
@@ -28,8 +29,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from hetccl_ray.collective import routes
 from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.collective.reduction import combine
+from hetccl_ray.collective.reduction import combine, copy
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology, split
 from hetccl_ray.transport.base import Border, Handle, Tag
@@ -85,16 +87,18 @@ class PlanContext:
         return _view(buf, _lane_part((0, buf.numel()), self.topo.lanes, self.lane))
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-                 reduce_from: Optional[tuple[int, torch.Tensor, str]] = None) -> None:
+                 reduce_from: Optional[tuple[int, torch.Tensor, str]] = None, border: Optional[Border] = None) -> None:
         """Post all receives and sends at once, then wait for all before the deadline.
 
         ``reduce_from=(peer, buf, op)`` receives from one more peer, reducing into ``buf``
         as the data arrives (one such peer per buffer: receptions run concurrently).
+        Messages go over ``border`` (default: the op's border), in order per peer.
         """
-        handles = [self.border.irecv(peer, buf, self.tag) for peer, buf in recvs if buf.numel()]
+        border = border or self.border
+        handles = [border.irecv(peer, buf, self.tag) for peer, buf in recvs if buf.numel()]
         if reduce_from is not None and reduce_from[1].numel():
-            handles.append(self.border.irecv(*reduce_from[:2], self.tag, op=reduce_from[2]))
-        handles += [self.border.isend(peer, buf, self.tag) for peer, buf in sends if buf.numel()]
+            handles.append(border.irecv(*reduce_from[:2], self.tag, op=reduce_from[2]))
+        handles += [border.isend(peer, buf, self.tag) for peer, buf in sends if buf.numel()]
         for handle in handles:
             self.wait(handle)
 
@@ -347,6 +351,70 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
     _pipelined(ctx, len(pieces),
                lambda q: ctx.island.reduce_scatter(pieces[q], ctx.lane_counts(pieces[q].numel()), op),
                across, gather)
+
+
+def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
+             outputs: Sequence[torch.Tensor]) -> None:
+    """Send ``inputs[t]`` to rank t and receive ``outputs[r]`` from rank r (``counts[r][t]``
+    elements, agreed by every rank) along routes.py's routes: gathered inside the island by
+    destination lane, across once per island pair and lane, scattered inside; in pieces whose
+    border stage overlaps the island stages. Moves inside an island take the border's socket
+    for CPU tensors, one vendor all-to-all per stage for device tensors."""
+    me, topo = ctx.rank, ctx.topo
+    copy(outputs[me], inputs[me])
+    way = routes.route(topo, me)
+    offsets, total = routes.staging(way.transit(), counts)
+    like = inputs[me]
+    staged = ctx.scratch.get("alltoall", total, like)
+    largest = routes.largest_crossing(topo, counts) * like.element_size()
+    count = max(-(-largest // ctx.piece_bytes), 1) if ctx.pipeline is not None else 1
+
+    def holder(block: routes.Block) -> torch.Tensor:
+        r, t = block
+        if r == me:
+            return inputs[t]
+        return outputs[r] if t == me else _view(staged, (offsets[block], counts[r][t]))
+
+    def pieces(moves: Sequence[routes.Move], q: int, sending: bool) -> list[tuple[int, torch.Tensor]]:
+        return [(m.dst if sending else m.src, _view(holder(m.block), _piece((0, counts[m.block[0]][m.block[1]]),
+                                                                            q, count))) for m in moves]
+
+    def inside(stage: int, q: int) -> None:
+        sends, recvs = pieces(way.sends[stage], q, True), pieces(way.recvs[stage], q, False)
+        if ctx.direct is not None and like.device.type == "cpu":
+            ctx.exchange(sends, recvs, border=ctx.direct)
+        else:
+            _island_alltoall(ctx, sends, recvs, like)
+
+    _pipelined(ctx, count, lambda q: inside(routes.GATHER, q),
+               lambda q: ctx.exchange(pieces(way.sends[routes.ACROSS], q, True),
+                                      pieces(way.recvs[routes.ACROSS], q, False)),
+               lambda q: inside(routes.SCATTER, q))
+
+
+def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]],
+                     recvs: Sequence[tuple[int, torch.Tensor]], like: torch.Tensor) -> None:
+    """One stage's moves inside the island as one vendor all-to-all (every island rank calls
+    it): each peer's views packed in posting order, unpacked likewise on arrival."""
+    if ctx.my_island.size == 1:
+        return
+
+    def by_peer(pairs: Sequence[tuple[int, torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+        ordered = sorted(pairs, key=lambda pair: ctx.topo.local_rank(pair[0]))  # stable: keeps posting order
+        counts = [0] * ctx.my_island.size
+        for peer, view in ordered:
+            counts[ctx.topo.local_rank(peer)] += view.numel()
+        return [view for _, view in ordered], counts
+
+    send_views, send_counts = by_peer(sends)
+    recv_views, recv_counts = by_peer(recvs)
+    packed = torch.cat(send_views) if send_views else like[:0]
+    arrived = ctx.scratch.get("alltoall-island", sum(recv_counts), like)
+    ctx.island.alltoall(arrived, packed, recv_counts, send_counts)
+    offset = 0
+    for view in recv_views:
+        copy(view, arrived[offset:offset + view.numel()])
+        offset += view.numel()
 
 
 def _by_island(ctx: PlanContext, buf: torch.Tensor, peer: int) -> bool:

@@ -67,12 +67,16 @@ class Operand:
             self.view.copy_(self.flat.reshape(self.view.shape))
 
 
-def same_kind(reference: Operand, others: list[Operand], what: str) -> None:
-    """Every operand of one call has the reference's dtype, device and element count."""
+def same_kind(reference: Operand, others: list[Operand], what: str, sizes: bool = True) -> None:
+    """Every operand of one call has the reference's dtype, device and (with ``sizes``)
+    element count."""
+    def kind(x: Operand) -> tuple:
+        return (x.flat.dtype, x.flat.device) + ((x.numel,) if sizes else ())
+
     for i, other in enumerate(others):
-        if (other.flat.dtype, other.flat.device, other.numel) != (
-                reference.flat.dtype, reference.flat.device, reference.numel):
+        if kind(other) != kind(reference):
+            count = f" with {reference.numel}" if sizes else ""
             raise HetCCLInputError(
                 f"{what}[{i}] is {other.flat.dtype} on {other.flat.device} with {other.numel} elements; "
-                f"expected {reference.flat.dtype} on {reference.flat.device} with {reference.numel}")
+                f"expected {reference.flat.dtype} on {reference.flat.device}{count}")
 

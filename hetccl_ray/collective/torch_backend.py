@@ -21,16 +21,13 @@ from ray.util.collective.types import ReduceOp as RayReduceOp
 
 from hetccl_ray.collective.group import HetCCLGroup
 from hetccl_ray.collective.options import GroupOptions
+from hetccl_ray.collective.tensors import Operand
 from hetccl_ray.errors import HetCCLInputError
 
 NAME = "hetccl"
 _REDUCE = {dist.ReduceOp.SUM: RayReduceOp.SUM, dist.ReduceOp.PRODUCT: RayReduceOp.PRODUCT,
            dist.ReduceOp.MIN: RayReduceOp.MIN, dist.ReduceOp.MAX: RayReduceOp.MAX,
            dist.ReduceOp.AVG: RayReduceOp.SUM}
-_SUPPORTED = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
-              "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-              "reduce_scatter_tensor_coalesced", "all_gather_single", "reduce_scatter_single", "barrier", "send",
-              "recv")
 _count_lock = threading.Lock()
 _count = 0
 
@@ -49,6 +46,11 @@ class _Work(dist.Work):
     def __init__(self, future: torch.futures.Future) -> None:
         super().__init__()
         self._future = future
+        self.returned: object = None  # what the op returned: a receive from any source, its source
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return int(self.returned)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._future.wait()  # re-raises the op's exception
@@ -89,18 +91,19 @@ class HetCCLProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def _async(self, result: object, fn: Callable[[], None]) -> "dist.Work":
+    def _async(self, result: object, fn: Callable[[], object]) -> "dist.Work":
         future: torch.futures.Future = torch.futures.Future()
+        work = _Work(future)
 
         def run() -> None:
             try:
-                fn()
+                work.returned = fn()
                 future.set_result(result)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 future.set_exception(exc)
 
         self._worker.submit(run)
-        return _Work(future)
+        return work
 
     def _allreduce_list(self, tensors: Sequence[torch.Tensor], opts) -> None:
         options, average = _reduce_op(opts)
@@ -188,26 +191,50 @@ class HetCCLProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
-    def _unsupported(self, op: str):
-        raise RuntimeError(f"the hetccl backend does not support {op}; supported: {', '.join(_SUPPORTED)}")
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """``all_to_all_single``: rows of ``input`` to each rank by ``input_split_sizes`` (even
+        when empty), rows of ``output`` from each by ``output_split_sizes``."""
+        def run() -> None:
+            inp, ins = self._rows(input, input_split_sizes, "input")
+            out, outs = self._rows(output, output_split_sizes, "output")
+            self.group.alltoall_flat(ins, outs)
+            out.write_back()
+        return self._async(output, run)
 
-    def alltoall(self, *args, **kwargs):
-        self._unsupported("alltoall")
+    all_to_all_single = alltoall_base
 
-    def alltoall_base(self, *args, **kwargs):
-        self._unsupported("alltoall_base")
+    def _rows(self, tensor: torch.Tensor, split_sizes: Sequence[int], what: str):
+        """The tensor as an operand and one flat view per rank, cut along dim 0."""
+        x = Operand(tensor)
+        rows = tensor.shape[0] if tensor.dim() else 1
+        world = self.size()
+        if not split_sizes and rows % world:
+            raise HetCCLInputError(f"all_to_all_single: {what} has {rows} rows, not divisible by world size {world}; "
+                                   "pass split sizes")
+        sizes = list(split_sizes) or [rows // world] * world
+        if len(sizes) != world or sum(sizes) != rows or min(sizes) < 0:
+            raise HetCCLInputError(f"all_to_all_single: {what} split sizes {sizes} must be {world} non-negative "
+                                   f"row counts summing to {rows}")
+        per_row = x.numel // rows if rows else 0
+        starts = [sum(sizes[:i]) * per_row for i in range(world)]
+        return x, [x.flat[start:start + size * per_row] for start, size in zip(starts, sizes)]
 
-    def all_to_all_single(self, *args, **kwargs):
-        self._unsupported("all_to_all_single")
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        return self._async(output_tensors, lambda: self.group.alltoall(input_tensors, output_tensors))
 
-    def gather(self, *args, **kwargs):
-        self._unsupported("gather")
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = (opts or dist.GatherOptions()).rootRank
+        outs = output_tensors[0] if output_tensors and output_tensors[0] else None
+        return self._async(output_tensors, lambda: self.group.gather(input_tensors[0], outs, root))
 
-    def scatter(self, *args, **kwargs):
-        self._unsupported("scatter")
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = (opts or dist.ScatterOptions()).rootRank
+        ins = input_tensors[0] if input_tensors else None
+        return self._async(output_tensors, lambda: self.group.scatter(output_tensors[0], ins, root))
 
-    def recv_anysource(self, *args, **kwargs):
-        self._unsupported("recv_anysource")
+    def recv_anysource(self, tensors, tag=0):
+        """``recv(src=None)``: the Work's ``_source_rank()`` names who sent."""
+        return self._async(tensors, lambda: [self.group.recv_any(t) for t in tensors][-1])
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True)

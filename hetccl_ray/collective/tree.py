@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from hetccl_ray.collective import routes
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement
 from hetccl_ray.collective.reduction import combine, copy
 from hetccl_ray.errors import HetCCLMismatchError
@@ -33,12 +34,18 @@ Rows = dict[int, list[int]]
 
 
 def _pack(rows: Rows) -> bytes:
-    return np.asarray([[rank, *row] for rank, row in sorted(rows.items())], dtype=np.int64).tobytes()
+    """Rows as int64s: rank, length, the row (a call's ROW_WIDTH ints, then any extra ints)."""
+    return np.asarray([v for rank, row in sorted(rows.items()) for v in (rank, len(row), *row)],
+                      dtype=np.int64).tobytes()
 
 
 def _unpack(raw: bytes) -> Rows:
-    table = np.frombuffer(raw, dtype=np.int64).reshape(-1, ROW_WIDTH + 1)
-    return {int(line[0]): [int(v) for v in line[1:]] for line in table}
+    flat, rows, at = np.frombuffer(raw, dtype=np.int64).tolist(), {}, 0
+    while at < len(flat):
+        rank, length = flat[at], flat[at + 1]
+        rows[rank] = flat[at + 2:at + 2 + length]
+        at += 2 + length
+    return rows
 
 
 @dataclass
@@ -66,9 +73,11 @@ def _none(_: object = None, __: object = None) -> int:
     return 0
 
 
-def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Shape]) -> Optional[str]:
+def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Shape],
+               rows: Optional[Rows] = None) -> Optional[str]:
     """Run the three phases; None when every rank made ``call`` (then ``shape.finish`` has
-    written the results), else who called what (and no user buffer was touched)."""
+    written the results), else who called what (and no user buffer was touched). ``rows``:
+    this rank's row with extra ints after the call's, filled with every rank's as they arrive."""
     topo, isl, rank = ctx.topo, ctx.my_island, ctx.rank
     leader = isl.ranks[0]
     leaders = [island.ranks[0] for island in topo.islands]
@@ -76,7 +85,7 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
     like = torch.empty(0, dtype=torch.uint8) if like is None else like
     empty = like[:0]
     up, across, down = (shape.up, shape.across, shape.down) if shape else (_none, _none, _none)
-    rows: Rows = {rank: call.encode()}
+    rows = rows if rows is not None else {rank: call.encode()}
     spilled = False
 
     def wait(handles) -> None:
@@ -128,7 +137,7 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
 def _verdict(rows: Rows, world: int, spilled: bool) -> Optional[str]:
     """Who called what when the ranks disagree; a size that differs although the calls agree
     would be a bug in the plans, so it is an error too."""
-    problem = disagreement([Call.decode(rows[r]) for r in range(world)])
+    problem = disagreement([Call.decode(rows[r][:ROW_WIDTH]) for r in range(world)])
     if problem is None and spilled:
         raise HetCCLMismatchError("a message had another size than the agreed call implies")
     return problem
@@ -288,3 +297,17 @@ def reducescatter(ctx, call: Call, buf: torch.Tensor, out: torch.Tensor, op: str
 def check(ctx, call: Call) -> Optional[str]:
     """The round with no data: every rank learns every call (and it is a barrier)."""
     return round_trip(ctx, call, None, None)
+
+
+def alltoall_counts(ctx, call: Call, mine: list[int]) -> tuple[Optional[str], list[list[int]]]:
+    """The all-to-all's check: the rows-only round with every rank's block sizes after its call
+    row (``mine``: what it sends each rank, then what it expects from each), so they cost no
+    payload. Returns who disagrees (calls, or pairs whose sizes differ) and ``counts[r][t]``."""
+    world = ctx.topo.world_size
+    rows = {ctx.rank: call.encode() + list(mine)}
+    problem = round_trip(ctx, call, None, None, rows)
+    if problem is not None:
+        return problem, []
+    extra = {rank: row[ROW_WIDTH:] for rank, row in rows.items()}
+    counts = [extra[r][:world] for r in range(world)]
+    return routes.mismatched(counts, [extra[t][world:] for t in range(world)]), counts

@@ -363,6 +363,35 @@ class TcpBorder(ByteCounter):
                         for link in busy:
                             link.fail(HetCCLPeerError(f"border of rank {self.rank} closed"))
 
+    def first_arrival(self, expected: dict[int, Tag], timeout_s: float) -> int:
+        """A receive from any source: the first peer whose next unread message carries the tag
+        ``expected[peer]`` (read with MSG_PEEK, so the message stays for the receive that follows).
+        A peer whose next message is another one (a later op's) is looked at again each poll."""
+        deadline = time.monotonic() + timeout_s
+        links = {peer: self._link(peer, timeout_s) for peer in expected}
+        while True:
+            waiting = []
+            for peer, link in links.items():
+                if link.error is not None:
+                    raise link.error
+                if link.recvs:  # its stream belongs to a posted receive
+                    continue
+                try:
+                    head = link.sock.recv(HEADER_SIZE, socket.MSG_PEEK)
+                except (BlockingIOError, InterruptedError):
+                    waiting.append(link.sock)
+                    continue
+                if not head:
+                    link.fail(ConnectionError("connection closed by peer"))
+                elif len(head) == HEADER_SIZE and Tag.parse(head)[0] == expected[peer]:
+                    return peer
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HetCCLTimeoutError(f"rank {self.rank}: no message from any of ranks {sorted(expected)} "
+                                         f"within {timeout_s:.1f}s")
+            poll = _POLL_S if len(waiting) == len(links) else 0.001  # busy links: look again soon
+            select.select(waiting, [], [], min(left, poll))
+
     def _link(self, peer: int, timeout_s: float) -> _Link:
         with self._cond:
             link = self._links.get(peer)
