@@ -29,7 +29,7 @@ from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, p
 from hetccl_ray.transport.choice import TRANSPORTS
 from hetccl_ray.topology import ISLAND_LABEL, Topology
 
-OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv")
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv", "alltoall")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -57,7 +57,7 @@ def bus_factor(op: str, world: int) -> float:
     """nccl-tests' busbw factors: what each rank's link carries relative to algbw."""
     if op == "allreduce":
         return 2 * (world - 1) / world
-    if op in ("reducescatter", "allgather"):
+    if op in ("reducescatter", "allgather", "alltoall"):
         return (world - 1) / world
     return 1.0
 
@@ -67,6 +67,8 @@ def ring_border_bytes(op: str, island_of_rank: Sequence[str], nbytes: int) -> in
     algorithm) sends across island boundaries: per crossing hop, the ring's per-link bytes.
     Broadcast, reduce and sendrecv are modelled as a chain over ranks in rank order."""
     n = len(island_of_rank)
+    if op == "alltoall":  # Gloo's is flat: each block straight to its rank, so it crosses once too
+        return hetccl_bound(op, Topology.from_islands(island_of_rank), nbytes)
     crossings = sum(island_of_rank[r] != island_of_rank[(r + 1) % n] for r in range(n))
     if op == "allreduce":
         per_hop = 2 * (n - 1) / n * nbytes
@@ -84,6 +86,8 @@ def hetccl_bound(op: str, topo: Topology, nbytes: int) -> int:
     k = len(topo.islands)
     if op == "allreduce":
         return 2 * (k - 1) * nbytes
+    if op == "alltoall":
+        return nbytes // topo.world_size * len(_cross_pairs(topo))
     if op == "sendrecv":
         order = [topo.island_of(r).index for r in range(topo.world_size)]
         n = len(order)
@@ -91,14 +95,45 @@ def hetccl_bound(op: str, topo: Topology, nbytes: int) -> int:
     return (k - 1) * nbytes
 
 
+def _cross_pairs(topo: Topology) -> list[tuple[int, int]]:
+    """Ordered (source, destination) rank pairs in different islands."""
+    n = topo.world_size
+    return [(r, t) for r in range(n) for t in range(n) if topo.island_of(r) != topo.island_of(t)]
+
+
+def link_seconds(op: str, topo: Topology, nbytes: int, bits_per_s: float) -> Optional[float]:
+    """All-to-all's link bound on shaped links (each island's link shaped each way): the
+    busiest island's bytes out or in over the rate. None for the other ops."""
+    if op != "alltoall":
+        return None
+    block = nbytes // topo.world_size
+    island = {r: topo.island_of(r).index for r in range(topo.world_size)}
+    load = [0] * (2 * len(topo.islands))
+    for r, t in _cross_pairs(topo):
+        load[2 * island[r]] += block      # leaving r's island
+        load[2 * island[t] + 1] += block  # entering t's island
+    return max(load) * 8 / bits_per_s
+
+
+def parse_rate(text: str) -> float:
+    """tc's rate units ("1gbit", "100mbit", "500kbit") -> bits per second."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", text.strip().lower())
+    if not match:
+        raise ValueError(f"bad link rate {text!r}: use e.g. 1gbit, 100mbit")
+    return float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
+
+
 _BOUND_TEXT = {"allreduce": "2(k-1)S", "reducescatter": "(k-1)S", "allgather": "(k-1)S", "broadcast": "(k-1)S",
-               "reduce": "(k-1)S", "sendrecv": "S per ring hop that crosses islands"}
+               "reduce": "(k-1)S", "sendrecv": "S per ring hop that crosses islands",
+               "alltoall": "S/n per ordered pair of ranks in different islands (S per rank)"}
 
 
 # -- what each rank runs -------------------------------------------------------------------------
 
 def _buffers(op: str, count: int, world: int, dtype: torch.dtype, fill: float) -> tuple:
     """Inputs/outputs for one op; ``count`` is elements of the whole buffer (nccl-tests' size)."""
+    if op == "alltoall":  # the output, whose chunk r comes from rank r
+        return torch.full((count,), fill, dtype=dtype), torch.zeros(count, dtype=dtype)
     if op in ("allgather", "reducescatter"):
         per_rank = count // world
         chunks = [torch.full((per_rank,), fill, dtype=dtype) for _ in range(world)]
@@ -118,6 +153,12 @@ def _step(op: str, group: str, world: int, rank: int, x: torch.Tensor, chunks) -
         return lambda: col.allgather(chunks, x, group_name=group)
     if op == "reducescatter":
         return lambda: col.reducescatter(x, chunks, group_name=group)
+    if op == "alltoall":
+        if isinstance(col.get_group_handle(group), hetccl_ray.HetCCLGroup):
+            ins, outs = list(x.chunk(world)), list(chunks.chunk(world))
+            return lambda: hetccl_ray.alltoall(ins, outs, group_name=group)
+        torch_group = col.get_group_handle(group)._pg  # Ray's gloo group has no all-to-all; its torch Gloo has
+        return lambda: torch.distributed.all_to_all_single(chunks, x, group=torch_group)
     if op == "sendrecv":
         nxt, prv = (rank + 1) % world, (rank - 1) % world
         recv_buf = torch.empty_like(x)
@@ -147,6 +188,8 @@ def _wrong(op: str, world: int, rank: int, x: torch.Tensor, chunks, step) -> int
         got, want = chunks, [r + 1.0 for r in range(world)]
     elif op == "reducescatter":
         got, want = [x], [total]
+    elif op == "alltoall":
+        got, want = list(chunks.chunk(world)), [r + 1.0 for r in range(world)]
     else:
         got, want = [step.recv_buf], [(rank - 1) % world + 1.0]
     return int(sum((g.to(torch.float64) != w).sum().item() for g, w in zip(got, want)))
@@ -220,9 +263,10 @@ def lane_transports(group: str, rank: int) -> tuple[list[str], list[str]]:
 
 
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,
-              timeout_s: float = 120.0, transport: str = "auto") -> pd.DataFrame:
+              timeout_s: float = 120.0, transport: str = "auto", link_rate: Optional[str] = None) -> pd.DataFrame:
     """Form the groups on ``actors`` and run the sweep; one row per (op, size, backend).
-    ``frame.attrs["lanes"]`` says which transport each lane took."""
+    ``frame.attrs["lanes"]`` says which transport each lane took; with ``link_rate`` (shaped
+    links), all-to-all rows get their time over the link bound."""
     world = len(actors)
     topo = Topology.from_islands(island_of_rank)
     stamp = f"{time.time_ns():x}"
@@ -243,7 +287,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     rows = []
     for op in spec.ops:
         for size in spec.sizes:
-            unit = itemsize * (world if op in ("allgather", "reducescatter") else 1)
+            unit = itemsize * (world if op in ("allgather", "reducescatter", "alltoall") else 1)
             count = max(size // unit, 1) * unit // itemsize
             nbytes = count * itemsize
             for backend, group in groups.items():
@@ -260,6 +304,9 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                              "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, world),
                              "wrong": sum(r["wrong"] for r in results), "border_bytes": border,
                              "border_bound": hetccl_bound(op, topo, nbytes)})
+                if link_rate:
+                    bound_s = link_seconds(op, topo, nbytes, parse_rate(link_rate))
+                    rows[-1]["x_link_bound"] = seconds / bound_s if bound_s else None
                 bar.step(f"{op} {nbytes} B {backend}")
     frame = pd.DataFrame(rows)
     frame.attrs["lanes"] = lanes
@@ -277,9 +324,13 @@ def format_table(frame: pd.DataFrame) -> str:
     backends = list(dict.fromkeys(frame["backend"]))
     head1 = f"{'#':>1}{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>4}"
     head2 = f"{'#':>1}{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>4}"
+    linked = "x_link_bound" in frame and frame["x_link_bound"].notna().any()
     for backend in backends:
         head1 += f" | {backend + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'border':>10}"
         head2 += f" | {'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(B)':>10}"
+        if linked:
+            head1 += f" {'time':>7}"
+            head2 += f" {'/link':>7}"
     if "hetccl_vs_gloo" in frame:
         head1 += f" | {'gloo/hetccl':>11}"
         head2 += f" | {'(x faster)':>11}"
@@ -294,6 +345,8 @@ def format_table(frame: pd.DataFrame) -> str:
                 row = rows[rows["backend"] == backend].iloc[0]
                 line += (f" | {row['time_us']:>12.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
                          f"{row['wrong']:>6d} {int(row['border_bytes']):>10d}")
+                if linked:
+                    line += f" {row['x_link_bound']:>7.2f}" if pd.notna(row["x_link_bound"]) else f" {'-':>7}"
             if "hetccl_vs_gloo" in frame:
                 line += f" | {first['hetccl_vs_gloo']:>11.2f}"
             lines.append(line)
@@ -392,11 +445,11 @@ def _bench_once(args: argparse.Namespace, spec: BenchSpec, islands: list[str], l
               f"type {spec.dtype}  warmup {spec.warmup}  iters {spec.iters}")
     if cluster is None:
         actors = place_workers(islands)
-        frame = run_sweep(actors, islands, spec, not args.no_progress, args.timeout, args.transport)
+        frame = run_sweep(actors, islands, spec, not args.no_progress, args.timeout, args.transport, link_rate)
     else:
         with cluster:
             frame = run_sweep(cluster.workers(islands), islands, spec, not args.no_progress, args.timeout,
-                              args.transport)
+                              args.transport, link_rate)
     frame["layout"] = args.layout + ("i" if args.interleave else "")
     frame["link_rate"] = link_rate or "unshaped"
     print(header)
