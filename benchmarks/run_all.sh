@@ -13,3 +13,7 @@ $B -o allreduce,allgather,reducescatter -b 16M -e 32M -f 2 -n 3 -w 1 --vs gloo -
    --csv $out/shaped_2x2.csv
 $B -b 16M -e 64M -f 2 -n 3 -w 1 --vs gloo --link-rate 1gbit --interleave --no-progress \
    --csv $out/shaped_2x2_interleaved.csv
+$B -o alltoall -b 1K -e 16M -f 16 -n 10 -w 2 --vs gloo --no-progress --csv $out/unshaped_2x2_alltoall.csv
+$B -o alltoall -b 1K -e 1M -f 32 -n 10 -w 2 --vs gloo --layout 1,2,3 --interleave --no-progress \
+   --csv $out/unshaped_1_2_3_alltoall.csv
+$B -o alltoall -b 16M -e 32M -f 2 -n 3 -w 1 --vs gloo --link-rate 1gbit --no-progress --csv $out/shaped_2x2_alltoall.csv
