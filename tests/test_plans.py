@@ -194,7 +194,9 @@ def _alltoall_counts(world: int, seed: int, zeros: bool) -> np.ndarray:
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("piece_bytes", [None, 16, 800])
 @pytest.mark.parametrize("max_lanes", [None, 1])
-def test_alltoall_uneven(layout, zeros, piece_bytes, max_lanes):
+@pytest.mark.parametrize("pack_bytes", [0, 1 << 18])  # one message per block, or a peer's blocks packed
+def test_alltoall_uneven(layout, zeros, piece_bytes, max_lanes, pack_bytes, monkeypatch):
+    monkeypatch.setattr(plans, "_PACK_BYTES", pack_bytes)
     islands = LAYOUTS[layout]
     world = len(islands)
     topo = Topology.from_islands(islands, max_lanes)

@@ -382,14 +382,50 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     def inside(stage: int, q: int) -> None:
         sends, recvs = pieces(way.sends[stage], q, True), pieces(way.recvs[stage], q, False)
         if ctx.direct is not None and like.device.type == "cpu":
-            ctx.exchange(sends, recvs, border=ctx.direct)
+            _exchange_blocks(ctx, stage, sends, recvs, ctx.direct)
         else:
             _island_alltoall(ctx, sends, recvs, like)
 
     _pipelined(ctx, count, lambda q: inside(routes.GATHER, q),
-               lambda q: ctx.exchange(pieces(way.sends[routes.ACROSS], q, True),
-                                      pieces(way.recvs[routes.ACROSS], q, False)),
+               lambda q: _exchange_blocks(ctx, routes.ACROSS, pieces(way.sends[routes.ACROSS], q, True),
+                                          pieces(way.recvs[routes.ACROSS], q, False)),
                lambda q: inside(routes.SCATTER, q))
+
+
+_PACK_BYTES = 256 << 10  # below this a peer's blocks go as one message: a message costs more than a copy
+
+
+def _per_peer(pairs: Sequence[tuple[int, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+    grouped: dict[int, list[torch.Tensor]] = {}
+    for peer, view in pairs:
+        grouped.setdefault(peer, []).append(view)
+    return grouped
+
+
+def _exchange_blocks(ctx: PlanContext, stage: int, sends: Sequence[tuple[int, torch.Tensor]],
+                     recvs: Sequence[tuple[int, torch.Tensor]], border: Optional[Border] = None) -> None:
+    """Exchange block views, one message per block, except that a peer's several blocks of at
+    most ``_PACK_BYTES`` in all travel packed in one (both ends see the same blocks, so
+    both decide alike)."""
+    def packs(views: list[torch.Tensor]) -> bool:
+        return len(views) > 1 and sum(v.numel() for v in views) * views[0].element_size() <= _PACK_BYTES
+
+    out, into, unpack = [], [], []
+    for peer, views in _per_peer(sends).items():
+        out += [(peer, torch.cat(views))] if packs(views) else [(peer, view) for view in views]
+    for peer, views in _per_peer(recvs).items():
+        if packs(views):
+            buf = ctx.scratch.get(("packed", stage, peer), sum(v.numel() for v in views), views[0])
+            into.append((peer, buf))
+            unpack.append((buf, views))
+        else:
+            into += [(peer, view) for view in views]
+    ctx.exchange(out, into, border=border)
+    for buf, views in unpack:
+        offset = 0
+        for view in views:
+            copy(view, buf[offset:offset + view.numel()])
+            offset += view.numel()
 
 
 def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]],
