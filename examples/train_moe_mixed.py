@@ -17,12 +17,10 @@ from typing import Callable, Optional
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train import RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 from torch import nn
 
 import hetccl_ray
-from hetccl_ray.collective.train import HetCCLTorchConfig
+from hetccl_ray.collective.train import labelled_trainer
 from hetccl_ray.local_cluster import LocalCluster
 
 ISLANDS = ["nvidia", "nvidia", "amd"]   # one worker, and one expert, per entry
@@ -155,13 +153,7 @@ def reference(world: int, steps: int = STEPS) -> tuple[list[list[float]], dict[s
 
 def fit(islands: list[str] = ISLANDS, steps: int = STEPS) -> "ray.train.Result":
     """Train on workers placed on ``islands``; the cluster must have nodes with those labels."""
-    trainer = TorchTrainer(
-        train_loop, train_loop_config={"steps": steps},
-        torch_config=HetCCLTorchConfig(timeout_s=120),
-        scaling_config=ScalingConfig(num_workers=len(islands), use_gpu=False, resources_per_worker={"CPU": 0.4},
-                                     label_selector=[{hetccl_ray.ISLAND_LABEL: name} for name in islands]),
-        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hetccl-moe-")))
-    return trainer.fit()
+    return labelled_trainer(train_loop, islands, {"steps": steps}).fit()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,15 @@ Islands come from the labels of the nodes the workers land on; inside ``train_fn
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
 from ray.train.torch.config import TorchConfig, _TorchBackend
+
+from hetccl_ray.topology import ISLAND_LABEL
 
 
 def _register_in_worker() -> None:
@@ -39,3 +45,15 @@ class HetCCLTorchConfig(TorchConfig):
     @property
     def backend_cls(self):
         return _HetCCLTorchBackend
+
+
+def labelled_trainer(train_loop: Callable[[dict], None], islands: Sequence[str], config: dict,
+                     timeout_s: float = 120, cpus_per_worker: float = 0.4) -> TorchTrainer:
+    """A TorchTrainer over hetccl with one worker per entry of ``islands``, each placed on a
+    node labelled ``hetccl.io/island`` with that name."""
+    return TorchTrainer(
+        train_loop, train_loop_config=config, torch_config=HetCCLTorchConfig(timeout_s=timeout_s),
+        scaling_config=ScalingConfig(num_workers=len(islands), use_gpu=False,
+                                     resources_per_worker={"CPU": cpus_per_worker},
+                                     label_selector=[{ISLAND_LABEL: name} for name in islands]),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hetccl-train-")))
