@@ -369,8 +369,7 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     offsets, total = routes.staging(way.transit(), counts)
     like = inputs[me]
     staged = ctx.scratch.get("alltoall", total, like)
-    largest = routes.largest_crossing(topo, counts) * like.element_size()
-    count = 1 if flat or ctx.pipeline is None else max(-(-largest // ctx.piece_bytes), 1)
+    count = 1 if flat else _piece_count(ctx, [(0, routes.largest_crossing(topo, counts))], like.element_size())
 
     def holder(block: routes.Block) -> torch.Tensor:
         r, t = block
