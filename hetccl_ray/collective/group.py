@@ -148,7 +148,7 @@ class HetCCLGroup(BaseGroup):
         else:
             self._rendezvous = Rendezvous(group_name, _generation(group_name))
         host = self.options.bind_host or (ray.util.get_node_ip_address() if in_ray else _default_host())
-        self.border: Any = TcpBorder(rank, host)
+        self.border: Any = TcpBorder(rank, host, self.options.compress)
         self._store = store
         if store is None and rank == 0:
             self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
@@ -194,7 +194,7 @@ class HetCCLGroup(BaseGroup):
         costs measured now (timed rows-only rounds and small-round broadcasts, costs.py),
         which rank 0 measures and broadcasts so that every rank picks the same plans."""
         self.costs: Optional[costs.LinkCosts] = None
-        self._probe_bytes = (0, 0)
+        self._probe_bytes = (0, 0, 0, 0)
         if self.options.small_bytes is not None or self.world_size == 1:
             self.small_bytes = dict.fromkeys(costs.OPS, self.options.small_bytes or 0)
             return
@@ -211,7 +211,8 @@ class HetCCLGroup(BaseGroup):
         # message of theirs was received in order before a rank's next op can arrive)
         self._seq = self._progress.seq = 0
         self._sent_by_op.clear()
-        self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received)
+        self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received, self.border.wire_bytes_sent,
+                             self.border.wire_bytes_received)
 
     def cost_model(self) -> list[str]:
         """The link costs and the small-message threshold of each op, as lines for a header."""
@@ -288,11 +289,15 @@ class HetCCLGroup(BaseGroup):
         return self._islands[device.type]
 
     def border_stats(self) -> dict[str, Any]:
-        """Bytes this rank sent/received over the border, in all and per op; the transport to
-        each lane peer; how GPU tensors reach an RDMA NIC (dmabuf, peermem or staged)."""
-        sent, received = self._probe_bytes  # formation's probes are not the user's traffic
+        """Bytes this rank sent/received over the border, in all and per op, and on the wire
+        (fewer where compressed); each link's compression choice, ratio and measured speeds;
+        the transport to each lane peer; how GPU tensors reach an RDMA NIC."""
+        sent, received, wire_sent, wire_received = self._probe_bytes  # formation's probes aren't the user's
         return {"bytes_sent": self.border.bytes_sent - sent,
                 "bytes_received": self.border.bytes_received - received,
+                "wire_bytes_sent": self.border.wire_bytes_sent - wire_sent,
+                "wire_bytes_received": self.border.wire_bytes_received - wire_received,
+                "compression": self.border.compression(),
                 "last_op_bytes_sent": self.last_op_bytes_sent, "per_op": dict(self._sent_by_op),
                 "rejected_connections": self.border.rejected,
                 "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()},

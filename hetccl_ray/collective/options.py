@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from hetccl_ray.compress.policy import MODES as COMPRESS_MODES
 from hetccl_ray.transport.choice import TRANSPORTS
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -36,6 +37,9 @@ class GroupOptions:
     small_bytes: collectives on CPU buffers up to this size (nccl-tests' size: the gathered
         output of allgather, the input of reducescatter) take the small-message round
         (``HETCCL_SMALL_BYTES``; default: from the cost model measured at formation).
+    compress: lossless compression of float payloads to other islands over TCP: "auto"
+        (each link compresses when its measured rate and the codec's speed and ratio say it
+        saves time), "on" or "off" (``HETCCL_COMPRESS``; compress/policy.py).
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("HETCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
@@ -48,6 +52,7 @@ class GroupOptions:
     check_calls: bool = field(default_factory=lambda: os.environ.get("HETCCL_CHECK_CALLS", "1") != "0")
     small_bytes: Optional[int] = field(default_factory=lambda: int(os.environ["HETCCL_SMALL_BYTES"])
                                        if os.environ.get("HETCCL_SMALL_BYTES") else None)
+    compress: str = field(default_factory=lambda: os.environ.get("HETCCL_COMPRESS") or "auto")
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -60,6 +65,8 @@ class GroupOptions:
             raise ValueError(f"max_lanes must be >= 1, got {self.max_lanes}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.compress not in COMPRESS_MODES:
+            raise ValueError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
         self.islands = {int(rank): str(name) for rank, name in self.islands.items()}
 
     def to_json(self) -> bytes:

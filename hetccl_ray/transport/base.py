@@ -11,8 +11,9 @@ import torch
 
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 
-# magic, op code, sequence number, dtype code, payload bytes, control bytes after the header
-_HEADER = struct.Struct("!4sIQIQI")
+# magic, op code, sequence number, dtype code, payload bytes, control bytes after the header,
+# whether the payload comes as compressed frames (compress/frames.py)
+_HEADER = struct.Struct("!4sIQIQI?")
 HEADER_SIZE = _HEADER.size
 _MAGIC = b"HCCL"
 
@@ -25,16 +26,16 @@ class Tag:
     seq: int
     dtype: int
 
-    def header(self, nbytes: int, extra: int = 0) -> bytes:
-        return _HEADER.pack(_MAGIC, self.op, self.seq, self.dtype, nbytes, extra)
+    def header(self, nbytes: int, extra: int = 0, framed: bool = False) -> bytes:
+        return _HEADER.pack(_MAGIC, self.op, self.seq, self.dtype, nbytes, extra, framed)
 
     @staticmethod
-    def parse(raw: bytes) -> tuple["Tag", int, int]:
-        """The tag, payload bytes and control bytes of a message header."""
-        magic, op, seq, dtype, nbytes, extra = _HEADER.unpack(raw)
+    def parse(raw: bytes) -> tuple["Tag", int, int, bool]:
+        """The tag, payload bytes, control bytes and framing of a message header."""
+        magic, op, seq, dtype, nbytes, extra, framed = _HEADER.unpack(raw)
         if magic != _MAGIC:
             raise ValueError(f"bad border message magic {magic!r}")
-        return Tag(op, seq, dtype), nbytes, extra
+        return Tag(op, seq, dtype), nbytes, extra, framed
 
 
 def mismatch(receiver: int, expected: Tag, nbytes: int, sender: int, got: Tag, got_bytes: int) -> HetCCLMismatchError:
@@ -44,17 +45,22 @@ def mismatch(receiver: int, expected: Tag, nbytes: int, sender: int, got: Tag, g
 
 
 class ByteCounter:
-    """Bytes a border sent and received, counted from its transfer threads."""
+    """Payload bytes a border sent and received, and what they took on the wire (fewer where
+    compressed), counted from its transfer threads."""
 
     def __init__(self) -> None:
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.wire_bytes_sent = self.wire_bytes_received = 0
         self._count_lock = threading.Lock()
 
-    def count(self, sent: int = 0, received: int = 0) -> None:
+    def count(self, sent: int = 0, received: int = 0, wire_sent: Optional[int] = None,
+              wire_received: Optional[int] = None) -> None:
+        """Add a message's payload bytes (and its wire bytes, where they differ)."""
         with self._count_lock:
             self.bytes_sent += sent
             self.bytes_received += received
+            self.wire_bytes_sent += sent if wire_sent is None else wire_sent
+            self.wire_bytes_received += received if wire_received is None else wire_received
 
 
 def chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

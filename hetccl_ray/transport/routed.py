@@ -41,6 +41,18 @@ class RoutedBorder:
     def bytes_received(self) -> int:
         return sum(b.bytes_received for b in self._borders())
 
+    @property
+    def wire_bytes_sent(self) -> int:
+        return sum(b.wire_bytes_sent for b in self._borders())
+
+    @property
+    def wire_bytes_received(self) -> int:
+        return sum(b.wire_bytes_received for b in self._borders())
+
+    def compression(self) -> dict[int, dict]:
+        """Each compressing link's choice and estimates, by peer (TCP links only)."""
+        return self.default.compression()
+
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
         return self.routes.get(peer, self.default).isend(peer, buf, tag)
 

@@ -5,8 +5,11 @@ message leaves in one ``sendmsg`` before ``isend`` returns), and whoever waits o
 drives every pending send and receive of the border through non-blocking sockets and
 ``select`` until its handle is done. Sends and receives with one peer progress together,
 so an exchange never deadlocks. Messages carry a header (op, sequence, dtype, payload
-size, control size) that the receiver checks, then optional control bytes (the call rows
-of the small-message plans), then the payload, received straight into the destination.
+size, control size, framing) that the receiver checks, then optional control bytes (the
+call rows of the small-message plans), then the payload, received straight into the
+destination. To a peer in another island a float payload may go as compressed frames
+(compress/): each link's policy decides per message, from the link's delivery rate and the
+codec's measured speed and ratio.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from typing import Iterator, Optional
 import torch
 
 from hetccl_ray.collective.reduction import combine
+from hetccl_ray.compress.frames import FRAME_BYTES, Decoder, Encoder, FrameReader
+from hetccl_ray.compress.planes import layout_for
+from hetccl_ray.compress.policy import LinkPolicy
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.transport.base import HEADER_SIZE, ByteCounter, Handle, Tag, chunks, mismatch
 
@@ -39,6 +45,21 @@ _RANK = struct.Struct("!I")
 _DIGEST = hashlib.sha256().digest_size
 _HANDSHAKE_TIMEOUT_S = 5.0
 _POLL_S = 0.05
+_TCP_INFO = struct.Struct("=8xQ")  # struct tcp_info: tcpi_delivery_rate is the u64 at byte 160
+_TCP_INFO_AT = 160 - 8
+
+
+def delivery_rate(sock: socket.socket) -> Optional[tuple[float, bool]]:
+    """The kernel's estimate of what the connection delivers (bytes/s) and whether the sender
+    limited that sample (it had nothing to send); None where TCP_INFO does not say (not Linux)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 168)
+    except (AttributeError, OSError):
+        return None
+    if len(info) < 168:
+        return None
+    (rate,) = _TCP_INFO.unpack_from(info, _TCP_INFO_AT)
+    return float(rate), bool(info[7] & 1)
 
 
 def _byte_view(buf: torch.Tensor) -> memoryview:
@@ -97,19 +118,29 @@ def _staged_views(buf: torch.Tensor, slots: torch.Tensor) -> Iterator[memoryview
 
 
 class _Outgoing:
-    """One message on its way out: header and control bytes, then the payload's views."""
+    """One message on its way out: header and control bytes, then the payload's views (its
+    bytes, or its compressed frames, coded as the socket takes them)."""
 
     def __init__(self, tag: Tag, buf: torch.Tensor, extra: bytes, handle: Handle, link: "_Link") -> None:
         self.handle, self.moved = handle, buf.numel() * buf.element_size()
-        self.pending = [memoryview(tag.header(self.moved, len(extra)) + extra)]
-        if buf.device.type == "cpu":
+        policy = link.policy
+        self.eligible = policy is not None and not extra and policy.eligible(self.moved, buf.dtype)
+        self.framed = self.eligible and policy.choose()
+        self.pending = [memoryview(tag.header(self.moved, len(extra), self.framed) + extra)]
+        self.header_bytes = len(self.pending[0])
+        self.wire = 0  # payload bytes written (frames, when framed)
+        if self.framed:
+            self.coded_before = (link.encoder.stats.raw, link.encoder.stats.wire, link.encoder.stats.seconds)
+            self.later: Iterator[memoryview] = link.encoder.frames(buf, layout_for(buf.dtype))
+        elif buf.device.type == "cpu":
             self.pending.append(_byte_view(buf))
-            self.later: Iterator[memoryview] = iter(())
+            self.later = iter(())
         else:
             self.later = _staged_views(buf, link.send_slots())
 
     def step(self, link: "_Link") -> bool:
-        """Write what the socket takes; True when the whole message is out."""
+        """Write what the socket takes; True when the whole message is out. While the socket
+        is full, a framed message codes its next chunk (so coding overlaps the wire)."""
         while True:
             self.pending = [view for view in self.pending if len(view)]
             if not self.pending:
@@ -118,7 +149,12 @@ class _Outgoing:
                     return True
                 self.pending.append(nxt)
                 continue
-            sent = link.sock.sendmsg(self.pending[:16])
+            try:
+                sent = link.sock.sendmsg(self.pending[:16])
+            except BlockingIOError:
+                self._code_ahead()
+                raise
+            self.wire += sent
             while sent:
                 head = self.pending[0]
                 if sent >= len(head):
@@ -127,6 +163,30 @@ class _Outgoing:
                 else:
                     self.pending[0] = head[sent:]
                     sent = 0
+
+    def _code_ahead(self) -> None:
+        """Code the next chunk now (at most about one frame beyond what waits to be written)."""
+        while self.framed and sum(len(view) for view in self.pending) < FRAME_BYTES // 2:
+            nxt = next(self.later, None)
+            if nxt is None:
+                return
+            self.pending.append(nxt)
+
+    def finished(self, link: "_Link") -> None:
+        """Count the message; a framed one tells the link's policy what coding it cost."""
+        self.wire -= self.header_bytes
+        if not link.counted:
+            return
+        link.owner.count(sent=self.moved, wire_sent=self.wire)
+        if not self.eligible:
+            return
+        if self.framed:
+            raw, wire, seconds = (now - before for now, before in zip(
+                (link.encoder.stats.raw, link.encoder.stats.wire, link.encoder.stats.seconds), self.coded_before))
+            link.policy.note_encode(raw, wire, seconds)
+        sample = delivery_rate(link.sock) if self.moved >= FRAME_BYTES else None
+        if sample is not None:
+            link.policy.note_link(*sample)
 
 
 class _Incoming:
@@ -137,6 +197,9 @@ class _Incoming:
         self.tag, self.buf, self.op, self.flexible, self.handle = tag, buf, op, flexible, handle
         self.nbytes = buf.numel() * buf.element_size()
         self.moved = 0  # payload bytes the sender announced
+        self.wire = 0  # payload bytes on the wire (fewer than moved when framed)
+        self.framed, self.reader = False, None
+        self.decode_before = 0.0
         self.direct = op is None and buf.device.type == "cpu"  # lands in ``buf`` as it is, unstaged
         self.header = bytearray(HEADER_SIZE)
         self.view, self.got = memoryview(self.header), 0
@@ -159,9 +222,10 @@ class _Incoming:
     def _advance(self, link: "_Link") -> bool:
         """The current part is complete: check it and set up the next; True at the end."""
         if self.phase == "header":
-            got, sent, extra = Tag.parse(bytes(self.header))
+            got, sent, extra, framed = Tag.parse(bytes(self.header))
             if got != self.tag or (sent != self.nbytes and not self.flexible):
                 raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
+            self.framed = framed
             if sent != self.nbytes:
                 if sent > SPILL_LIMIT:
                     raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
@@ -172,23 +236,59 @@ class _Incoming:
         if self.phase == "extra":
             self.handle.extra = bytes(self.extra)
             self.phase = "payload"
+            if self.framed:
+                self.reader = self._frame_reader(link)
+                self.decode_before = link.decoder.stats.seconds
+                return self._next_frame_part()
             if self.handle.spill is not None:
                 return self._expect(memoryview(self.handle.spill))
             if self.direct:
                 return self._expect(_byte_view(self.buf))
             return self._expect(self._landing(link))
+        if self.reader is not None:
+            self.reader.filled()
+            return self._next_frame_part()
+        self.wire = self.moved
         if self.handle.spill is not None or self.direct:
             return True
         flat = self.buf.reshape(-1)
         n = len(self.view) // flat.element_size()
-        piece = flat[self.piece_start:self.piece_start + n]
-        received = link.staging[:len(self.view)].view(piece.dtype).to(piece.device)
+        self._land(flat[self.piece_start:self.piece_start + n], link.staging[:len(self.view)])
+        self.piece_start += n
+        return self.piece_start >= flat.numel() or self._expect(self._landing(link))
+
+    def _land(self, piece: torch.Tensor, received: torch.Tensor) -> None:
+        """Staged bytes into their place in ``buf``: copied, or reduced with ``op``."""
+        received = received.view(piece.dtype).to(piece.device)
         if self.op is None:
             piece.copy_(received)
         else:
             combine(piece, received, self.op)
-        self.piece_start += n
-        return self.piece_start >= flat.numel() or self._expect(self._landing(link))
+
+    def _frame_reader(self, link: "_Link") -> FrameReader:
+        """Decodes a framed payload: straight into ``buf`` (or the spill), else through a
+        staging buffer on ``buf``'s device into the reduction or copy."""
+        layout = layout_for(self.buf.dtype)
+        if layout is None:
+            raise HetCCLPeerError(f"rank {link.peer} sent compressed frames of {self.buf.dtype}, which has no codec")
+        if self.handle.spill is not None:
+            whole = torch.frombuffer(self.handle.spill, dtype=torch.uint8)
+        else:
+            whole = self.buf.reshape(-1).view(torch.uint8) if self.direct else None
+        if whole is not None:
+            return FrameReader(layout, self.moved, whole.device, link.decoder,
+                               lambda offset, n: whole[offset:offset + n], lambda offset, n: None)
+        flat, size = self.buf.reshape(-1), self.buf.element_size()
+        staging = link.frame_staging(self.buf.device)
+        return FrameReader(layout, self.moved, self.buf.device, link.decoder, lambda offset, n: staging[:n],
+                           lambda offset, n: self._land(flat[offset // size:(offset + n) // size], staging[:n]))
+
+    def _next_frame_part(self) -> bool:
+        view = self.reader.want()
+        if view is None:
+            self.wire = self.reader.wire
+            return True
+        return self._expect(view)
 
     def _landing(self, link: "_Link") -> memoryview:
         """Host bytes for the next piece of a staged payload."""
@@ -201,6 +301,14 @@ class _Incoming:
         self.view, self.got = view, 0
         return False
 
+    def finished(self, link: "_Link") -> None:
+        """Count the message; a framed one tells the link's policy what decoding cost."""
+        if not link.counted:
+            return
+        link.owner.count(received=self.moved, wire_received=self.wire)
+        if self.reader is not None and link.policy is not None:
+            link.policy.note_decode(self.moved, link.decoder.stats.seconds - self.decode_before)
+
 
 class _Link:
     """One connection to one peer: FIFO queues of outgoing and posted incoming messages."""
@@ -211,6 +319,9 @@ class _Link:
         self.error: Optional[BaseException] = None
         self.staging: Optional[torch.Tensor] = None
         self._send_slots: Optional[torch.Tensor] = None
+        self._frame_staging: dict[torch.device, torch.Tensor] = {}
+        self.policy = LinkPolicy(owner.compress) if self.counted else None
+        self.encoder, self.decoder = Encoder(), Decoder()
         self.sends: "collections.deque[_Outgoing]" = collections.deque()
         self.recvs: "collections.deque[_Incoming]" = collections.deque()
 
@@ -218,6 +329,12 @@ class _Link:
         if self._send_slots is None:
             self._send_slots = torch.empty(2, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
         return self._send_slots
+
+    def frame_staging(self, device: torch.device) -> torch.Tensor:
+        """Where a decoded frame lands before it is reduced or copied into its place."""
+        if device not in self._frame_staging:
+            self._frame_staging[device] = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=device)
+        return self._frame_staging[device]
 
     def staging_for(self, nbytes: int) -> torch.Tensor:
         if self.staging is None or self.staging.numel() < nbytes:
@@ -242,7 +359,7 @@ class _Link:
             except (BlockingIOError, InterruptedError):
                 break
             item = queue.popleft()
-            self.owner.count(**{direction: item.moved if self.counted else 0})
+            item.finished(self)
             item.handle.finish()
             finished = True
         return finished
@@ -271,9 +388,10 @@ class TcpBorder(ByteCounter):
     Counts the payload bytes of messages to and from peers outside ``local`` (this rank's
     island): the bytes that cross island boundaries."""
 
-    def __init__(self, rank: int, bind_host: str) -> None:
+    def __init__(self, rank: int, bind_host: str, compress: str = "auto") -> None:
         super().__init__()
         self.rank = rank
+        self.compress = compress
         self.rejected = 0
         self.local: frozenset[int] = frozenset()
         self._secret = b""
@@ -303,6 +421,12 @@ class TcpBorder(ByteCounter):
         self._secret = secret
         self.local = frozenset(local)
         self._ready.set()
+
+    def compression(self) -> dict[int, dict]:
+        """The compression choice and estimates of each link to another island, by peer."""
+        with self._cond:
+            links = list(self._links.values())
+        return {link.peer: link.policy.describe() for link in links if link.policy is not None}
 
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0, extra: bytes = b"") -> Handle:
         """Queue a message and write what the socket takes now; ``extra``: control bytes."""
