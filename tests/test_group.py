@@ -24,7 +24,8 @@ LAYOUTS = {
     "three": [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1), ("a", 2)],    # 1+2+3 interleaved
     "one": [("a", 0), ("a", 1), ("a", 2)],                                    # one island
 }
-ISLAND_COUNT = {"two": 2, "three": 3, "one": 1}
+LAYOUTS.update({f"{name}-zip": LAYOUTS[name] for name in ("two", "three")})  # compress="on": every float
+ISLAND_COUNT = {"two": 2, "three": 3, "one": 1, "two-zip": 2, "three-zip": 3}  # payload across in frames
 SMALL_BYTES = 16384  # buffers up to this take the small-message round, larger ones the island plans
 
 
@@ -33,8 +34,9 @@ def actors():
     cluster, actors = test_cluster.start({"a": 3, "b": 2, "c": 1})
     for name, picks in LAYOUTS.items():
         members = [actors[island][i] for island, i in picks]
+        zipped = dict(compress="on", piece_bytes=4096 if name == "three-zip" else 4 << 20) if "zip" in name else {}
         hetccl_ray.create_collective_group(members, len(members), list(range(len(members))),
-                                           group_name=name, timeout_s=60, small_bytes=SMALL_BYTES)
+                                           group_name=name, timeout_s=60, small_bytes=SMALL_BYTES, **zipped)
     picks = [actors[island][i] for island, i in LAYOUTS["three"]]  # the same ranks, pipelined in small pieces
     hetccl_ray.create_collective_group(picks, len(picks), list(range(len(picks))), group_name="pieces",
                                        timeout_s=60, small_bytes=SMALL_BYTES, piece_bytes=4096)
@@ -444,3 +446,44 @@ def test_register_twice_is_harmless():
     from ray.util.collective.backend_registry import _global_registry
 
     assert _global_registry.get("hetccl") is hetccl_ray.HetCCLGroup
+
+
+# -- compression ---------------------------------------------------------------------------------
+
+def _gradients_across(name, rank, world, rounds):
+    """Allgather real bf16 gradients (bits compared exactly), then allreduces of them; the byte
+    and wire counters of the allgather and each link's compression report after all."""
+    from hetccl_ray.benchdata import rank_data
+
+    x = rank_data("grads", rank, 1 << 18, torch.bfloat16)
+    outs = [torch.zeros_like(x) for _ in range(world)]
+    before = hetccl_ray.border_stats(name)
+    col.allgather(outs, x, group_name=name)
+    after = hetccl_ray.border_stats(name)
+    for _ in range(rounds):
+        col.allreduce(x.clone(), group_name=name)
+    return (x.view(torch.int16).numpy(), [o.view(torch.int16).numpy() for o in outs],
+            after["bytes_sent"] - before["bytes_sent"],
+            after["wire_bytes_sent"] - before["wire_bytes_sent"], hetccl_ray.border_stats(name)["compression"])
+
+
+def test_compression_is_bit_exact_on_gradients_and_sends_fewer_bytes(actors):
+    results = on_all(actors, "two-zip", _gradients_across, 0)
+    inputs = [r[0] for r in results]
+    for rank, (_, outs, _, _, report) in enumerate(results):
+        for r, got in enumerate(outs):
+            np.testing.assert_array_equal(got, inputs[r], err_msg=f"rank {rank} chunk {r}")
+        used = [link for link in report.values() if link["messages_compressed"]]
+        assert used and all(link["compressing"] and link["ratio"] for link in used), report
+    sent, wire = sum(r[2] for r in results), sum(r[3] for r in results)
+    assert sent == 4 * (1 << 18) * 2  # (k - 1) S: the bound, counted in payload bytes
+    assert wire <= 0.75 * sent, (wire, sent)
+
+
+def test_auto_measures_then_stays_raw_on_loopback(actors):
+    reports = [r[4] for r in on_all(actors, "two", _gradients_across, 12)]
+    links = [link for report in reports for link in report.values() if link["messages_compressed"]]
+    assert links, reports  # the first large message to each peer measured the codec
+    for link in links:
+        assert link["mode"] == "auto" and link["link_MBps"] and link["encode_MBps"], link
+        assert link["messages_raw"] > link["messages_compressed"], link

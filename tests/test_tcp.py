@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 
 import numpy as np
 import pytest
 import torch
 
+from hetccl_ray.benchdata import gradients
+from hetccl_ray.compress.frames import FRAME_BYTES, Encoder
+from hetccl_ray.errors import HetCCLPeerError
 from hetccl_ray.transport.base import Tag
 from hetccl_ray.transport.tcp import TcpBorder
 
 SECRET = bytes(range(32))
 
 
-@pytest.fixture
-def pair():
-    borders = [TcpBorder(r, "127.0.0.1") for r in range(2)]
+@pytest.fixture(params=["auto"])
+def pair(request):
+    borders = [TcpBorder(r, "127.0.0.1", request.param) for r in range(2)]
     addresses = {r: b.address for r, b in enumerate(borders)}
     for r, border in enumerate(borders):
         border.set_peers({p: a for p, a in addresses.items() if p != r}, SECRET)
@@ -48,3 +52,57 @@ def test_stranger_is_refused_logged_and_the_secret_never_shown(pair, caplog):
 
 def test_listener_binds_to_the_address_asked_for(pair):
     assert {b.address[0] for b in pair} == {"127.0.0.1"}
+
+
+def _both(first, second, timeout=20):
+    """Wait on one rank's handles in a thread and the other's here: each border is driven by
+    whoever waits on it, so a payload larger than the socket buffers needs both sides waiting."""
+    errors = []
+
+    def wait_all(handles):
+        try:
+            for handle in handles:
+                handle.wait(timeout)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    thread = threading.Thread(target=wait_all, args=(second,))
+    thread.start()
+    wait_all(first)
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("pair", ["on"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
+def test_compressed_payloads_land_and_reduce_bit_exactly(pair, dtype):
+    n = 3 * FRAME_BYTES // 2 + 5  # several frames, the last one short
+    x = gradients(n, dtype)
+    out, acc = torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)
+    _both([pair[0].isend(1, x, Tag(1, 1, 0)), pair[0].isend(1, x, Tag(1, 2, 0))],
+          [pair[1].irecv(0, out, Tag(1, 1, 0)), pair[1].irecv(0, acc, Tag(1, 2, 0), op="sum")])
+    np.testing.assert_array_equal(out.view(torch.uint8).numpy(), x.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(acc.to(torch.float64).numpy(), (torch.ones(n, dtype=dtype) + x).to(torch.float64))
+    assert pair[0].bytes_sent == 2 * n * x.element_size() == pair[1].bytes_received
+    assert pair[0].wire_bytes_sent == pair[1].wire_bytes_received < 0.9 * pair[0].bytes_sent
+    assert pair[0].compression()[1]["messages_compressed"] == 2
+
+
+@pytest.mark.parametrize("pair", ["on"], indirect=True)
+def test_a_corrupt_frame_is_an_error_naming_the_peer(pair, monkeypatch):
+    frames = Encoder.frames
+
+    def corrupting(self, buf, layout):
+        """FAKE corruption (TCP does not corrupt): frame 0's coded plane has one bit flipped
+        after its checksum was taken."""
+        for k, view in enumerate(frames(self, buf, layout)):
+            yield memoryview(bytes(view[:-1]) + bytes([view[-1] ^ 1])) if k == 3 else view
+    monkeypatch.setattr(Encoder, "frames", corrupting)
+    x = gradients(FRAME_BYTES // 4, torch.float32)
+    out = torch.full_like(x, 7.0)
+    send = pair[0].isend(1, x, Tag(1, 1, 0))  # rank 0 dials
+    with pytest.raises(HetCCLPeerError, match=r"rank 1 <-> rank 0 failed: corrupt frame 0 .*(checksum|decode)"):
+        _both([pair[1].irecv(0, out, Tag(1, 1, 0))], [send])
+    assert torch.equal(out, torch.full_like(x, 7.0))
+    with pytest.raises(HetCCLPeerError, match="rank 0 <-> rank 1 failed: connection closed"):
+        pair[0].irecv(1, out, Tag(1, 2, 0)).wait(5)  # the sender hears at once, not at its deadline

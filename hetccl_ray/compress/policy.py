@@ -1,8 +1,7 @@
 """When a border link compresses: measured per link, decided per message.
 
-``compress`` = ``"on"`` frames every eligible message (a float tensor of at least
-``MIN_BYTES`` to a peer in another island), ``"off"`` none, ``"auto"`` only when it saves
-time: the link's delivery rate R (bytes/s the network takes, from the kernel's TCP
+``compress`` = ``"on"`` frames every float payload to a peer in another island, ``"off"``
+none, ``"auto"`` those of at least ``MIN_BYTES`` when it saves time: the link's delivery rate R (bytes/s the network takes, from the kernel's TCP
 estimate) against the codec's measured ratio r and speeds (encode E, decode D, bytes of
 input per second). Chunks are pipelined, so a compressed message costs about
 max(r / R, 1 / E, 1 / D) seconds per byte against 1 / R raw; auto compresses when that is
@@ -51,8 +50,10 @@ class LinkPolicy:
             raise ValueError(f"compress must be one of {MODES}, got {self.mode!r}")
 
     def eligible(self, nbytes: int, dtype: torch.dtype) -> bool:
-        """Whether a message could be framed at all (the mode and its size and dtype allow it)."""
-        return self.mode != "off" and nbytes >= MIN_BYTES and layout_for(dtype) is not None
+        """Whether a message could be framed at all: a float payload, of any size with "on",
+        of at least ``MIN_BYTES`` with "auto"."""
+        return (self.mode == "on" or (self.mode == "auto" and nbytes >= MIN_BYTES)) and (
+            nbytes > 0 and layout_for(dtype) is not None)
 
     def choose(self) -> bool:
         """Whether the next eligible message goes compressed."""

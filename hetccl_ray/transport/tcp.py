@@ -344,12 +344,16 @@ class _Link:
     def progress(self) -> bool:
         """Move every queued message as far as the socket allows; True if one finished."""
         try:
-            return self._drain(self.sends, "sent") | self._drain(self.recvs, "received")
+            return self._drain(self.sends) | self._drain(self.recvs)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             self.fail(exc)
+            try:  # the stream is out of step: the peer hears it now rather than at its deadline
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             return True
 
-    def _drain(self, queue: "collections.deque", direction: str) -> bool:
+    def _drain(self, queue: "collections.deque") -> bool:
         """Finish queued messages in order until the socket would block; count their bytes."""
         finished = False
         while queue:
