@@ -6,7 +6,10 @@ Sizes follow nccl-tests: ``size`` is the whole buffer (for allgather the gathere
 output, for reducescatter the input of all chunks); busbw = algbw x the op's bus factor.
 Both backends run on the same actors, interleaved size by size, so ratios are measured
 side by side. Bytes that crossed island boundaries are counted for hetccl (border
-counters) and derived for gloo from its ring over ranks in rank order.
+counters: payload bytes, and the bytes on the wire where compressed) and derived for gloo
+from its ring over ranks in rank order. ``--compress auto,off`` runs one hetccl group per
+mode side by side; ``--data grads`` sends real gradients (benchdata.py), as compression
+makes the content matter.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
+from hetccl_ray.benchdata import DATA, rank_data
+from hetccl_ray.compress.policy import MODES as COMPRESS_MODES
 from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, place_workers
 from hetccl_ray.transport.choice import TRANSPORTS
 from hetccl_ray.topology import ISLAND_LABEL, Topology
@@ -102,8 +107,11 @@ def _cross_pairs(topo: Topology) -> list[tuple[int, int]]:
 
 
 def link_seconds(op: str, topo: Topology, nbytes: int, bits_per_s: float) -> Optional[float]:
-    """All-to-all's link bound on shaped links (each island's link shaped each way): the
-    busiest island's bytes out or in over the rate. None for the other ops."""
+    """The link bound on shaped links (each island's link shaped each way) of all-to-all and
+    allreduce: the busiest island's bytes out or in over the rate. None for the other ops."""
+    if op == "allreduce":  # every island sends and receives 2 (k - 1) / k of the buffer
+        k = len(topo.islands)
+        return 2 * (k - 1) / k * nbytes * 8 / bits_per_s if k > 1 else None
     if op != "alltoall":
         return None
     block = nbytes // topo.world_size
@@ -130,15 +138,16 @@ _BOUND_TEXT = {"allreduce": "2(k-1)S", "reducescatter": "(k-1)S", "allgather": "
 
 # -- what each rank runs -------------------------------------------------------------------------
 
-def _buffers(op: str, count: int, world: int, dtype: torch.dtype, fill: float) -> tuple:
+def _buffers(op: str, count: int, world: int, dtype: torch.dtype, data: str, rank: int) -> tuple:
     """Inputs/outputs for one op; ``count`` is elements of the whole buffer (nccl-tests' size)."""
     if op == "alltoall":  # the output, whose chunk r comes from rank r
-        return torch.full((count,), fill, dtype=dtype), torch.zeros(count, dtype=dtype)
-    if op in ("allgather", "reducescatter"):
-        per_rank = count // world
-        chunks = [torch.full((per_rank,), fill, dtype=dtype) for _ in range(world)]
-        return torch.full((per_rank,), fill, dtype=dtype), chunks
-    return torch.full((count,), fill, dtype=dtype), None
+        return rank_data(data, rank, count, dtype), torch.zeros(count, dtype=dtype)
+    per_rank = count // world
+    if op == "allgather":
+        return rank_data(data, rank, per_rank, dtype), [torch.zeros(per_rank, dtype=dtype) for _ in range(world)]
+    if op == "reducescatter":
+        return torch.zeros(per_rank, dtype=dtype), list(rank_data(data, rank, count, dtype).chunk(world))
+    return rank_data(data, rank, count, dtype), None
 
 
 def _step(op: str, group: str, world: int, rank: int, x: torch.Tensor, chunks) -> Callable[[], None]:
@@ -175,43 +184,69 @@ def _step(op: str, group: str, world: int, rank: int, x: torch.Tensor, chunks) -
     raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
 
 
-def _wrong(op: str, world: int, rank: int, x: torch.Tensor, chunks, step) -> int:
-    """Elements that differ from the expected result of one call with inputs rank + 1."""
-    total = world * (world + 1) / 2
-    if op == "allreduce":
-        got, want = [x], [total]
-    elif op == "reduce":
-        got, want = ([x], [total]) if rank == 0 else ([], [])
-    elif op == "broadcast":
-        got, want = [x], [1.0]
-    elif op == "allgather":
-        got, want = chunks, [r + 1.0 for r in range(world)]
-    elif op == "reducescatter":
-        got, want = [x], [total]
+def _expected(op: str, world: int, rank: int, count: int, dtype: torch.dtype, data: str
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What this rank should hold after one call with ``count`` elements (nccl-tests' size),
+    from every rank's input, with the sum of the magnitudes that went into each element;
+    sums in float64 (int64 for integers, wrapping as the dtype does)."""
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    inputs = [rank_data(data, r, count // world if op == "allgather" else count, dtype).to(wide)
+              for r in range(world)]
+    if op == "reducescatter":
+        inputs = [x.chunk(world)[rank] for x in inputs]
+    if op in ("allreduce", "reduce", "reducescatter"):
+        summed = [(sum(inputs), sum(x.abs() for x in inputs))]
+        return summed if op != "reduce" or rank == 0 else []
+    if op == "alltoall":
+        inputs = [x.chunk(world)[rank] for x in inputs]
+    moved = {"broadcast": inputs[:1], "sendrecv": [inputs[(rank - 1) % world]]}.get(op, inputs)
+    return [(x, x.abs()) for x in moved]
+
+
+def _wrong(op: str, world: int, rank: int, count: int, x: torch.Tensor, chunks, step, data: str) -> int:
+    """Elements that differ from the expected result of one call: moved data bit for bit,
+    float reductions within the rounding of ``world`` additions in the dtype."""
+    if op == "allgather":
+        got = chunks
     elif op == "alltoall":
-        got, want = list(chunks.chunk(world)), [r + 1.0 for r in range(world)]
+        got = list(chunks.chunk(world))
+    elif op == "sendrecv":
+        got = [step.recv_buf]
     else:
-        got, want = [step.recv_buf], [(rank - 1) % world + 1.0]
-    return int(sum((g.to(torch.float64) != w).sum().item() for g, w in zip(got, want)))
+        got = [x] if op != "reduce" or rank == 0 else []
+    wrong = 0
+    for g, (w, scale) in zip(got, _expected(op, world, rank, count, x.dtype, data)):
+        w = w.to(x.dtype).to(torch.float64)  # overflows and wraps as the dtype does
+        g = g.to(torch.float64)
+        if op in ("allreduce", "reduce", "reducescatter") and x.dtype.is_floating_point:
+            close = ((g - w).abs() <= world * torch.finfo(x.dtype).eps * scale) | (g == w)
+            wrong += int((~close).sum().item())
+        else:
+            wrong += int((g != w).sum().item())
+    return wrong
 
 
-def _data_bytes_sent(group: str) -> int:
-    """Border bytes this rank sent for data, leaving out the tiny call checks."""
+def _data_bytes_sent(group: str) -> tuple[int, int]:
+    """Border bytes this rank sent for data, leaving out the tiny call checks: payload bytes
+    and bytes on the wire."""
     stats = hetccl_ray.border_stats(group)
-    return stats["bytes_sent"] - stats["per_op"].get("check", 0)
+    check = stats["per_op"].get("check", 0)
+    return stats["bytes_sent"] - check, stats["wire_bytes_sent"] - check
 
 
 def rank_run(group: str, backend: str, op: str, count: int, dtype_name: str, warmup: int, iters: int,
-             rank: int, world: int) -> dict:
+             rank: int, world: int, data: str = "fill") -> dict:
     """In one actor: check one call, then time ``iters`` calls after ``warmup``."""
     dtype = getattr(torch, dtype_name)
-    x, chunks = _buffers(op, count, world, dtype, rank + 1.0)
+    x, chunks = _buffers(op, count, world, dtype, data, rank)
     step = _step(op, group, world, rank, x, chunks)
+    hetccl = backend.startswith("hetccl")
     col.barrier(group_name=group)
-    sent_before = _data_bytes_sent(group) if backend == "hetccl" else 0
+    sent_before = _data_bytes_sent(group) if hetccl else (0, 0)
     step()
-    wrong = _wrong(op, world, rank, x, chunks, step)
-    border = _data_bytes_sent(group) - sent_before if backend == "hetccl" else None
+    wrong = _wrong(op, world, rank, count, x, chunks, step, data)
+    border, wire = ([after - before for after, before in zip(_data_bytes_sent(group), sent_before)] if hetccl
+                    else (None, None))
     for _ in range(warmup):
         step()
     col.barrier(group_name=group)
@@ -219,7 +254,7 @@ def rank_run(group: str, backend: str, op: str, count: int, dtype_name: str, war
     for _ in range(iters):
         step()
     elapsed = (time.perf_counter() - started) / max(iters, 1)
-    return {"time_s": elapsed, "wrong": wrong, "border_bytes": border}
+    return {"time_s": elapsed, "wrong": wrong, "border_bytes": border, "wire_bytes": wire}
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -232,6 +267,13 @@ class BenchSpec:
     warmup: int = 2
     iters: int = 5
     vs_gloo: bool = False
+    compress: Sequence[str] = ("auto",)  # one hetccl group per mode, side by side
+    data: str = "fill"
+
+    def backends(self) -> list[str]:
+        """The backends' labels: "hetccl" (or "hetccl-MODE" each, for several modes), "gloo"."""
+        labels = ["hetccl" if len(self.compress) == 1 else f"hetccl-{mode}" for mode in self.compress]
+        return labels + (["gloo"] if self.vs_gloo else [])
 
 
 class _Progress:
@@ -254,6 +296,16 @@ class _Progress:
         sys.stderr.flush()
 
 
+def compression_report(group: str, rank: int) -> list[str]:
+    """In one actor: a line per link to another island that carried eligible messages."""
+    links = hetccl_ray.border_stats(group)["compression"]
+    return [f"rank {rank}->{peer} {link['mode']}: {'compressing' if link['compressing'] else 'raw'}, "
+            f"ratio {link['ratio']}, link {link['link_MBps']} MB/s, codec {link['encode_MBps']} MB/s in, "
+            f"{link['decode_MBps']} MB/s out, messages {link['messages_compressed']} compressed "
+            f"{link['messages_raw']} raw" for peer, link in links.items()
+            if link["messages_compressed"] + link["messages_raw"]]
+
+
 def lane_transports(group: str, rank: int) -> tuple[list[str], list[str]]:
     """In one actor: the transport to each lane peer of this rank, and why; the cost model."""
     formed = hetccl_ray.get_group(group)
@@ -270,16 +322,17 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     world = len(actors)
     topo = Topology.from_islands(island_of_rank)
     stamp = f"{time.time_ns():x}"
-    groups = {"hetccl": f"bench-hetccl-{stamp}"}
-    hetccl_ray.create_collective_group(actors, world, list(range(world)), group_name=groups["hetccl"],
-                                       timeout_s=timeout_s, transport=transport)
-    per_rank = ray.get([a.call.remote(lane_transports, groups["hetccl"], r) for r, a in enumerate(actors)],
-                       timeout=max(timeout_s, 60))  # also forms the group on every rank
+    labels = spec.backends()
+    groups = {label: f"bench-{label}-{stamp}" for label in labels}
+    for label, mode in zip(labels, spec.compress):
+        hetccl_ray.create_collective_group(actors, world, list(range(world)), group_name=groups[label],
+                                           timeout_s=timeout_s, transport=transport, compress=mode)
+        per_rank = ray.get([a.call.remote(lane_transports, groups[label], r) for r, a in enumerate(actors)],
+                           timeout=max(timeout_s, 60))  # also forms the group on every rank
     first = topo.islands[0].ranks
     lanes = [f"lane {lane}: " + "; ".join(per_rank[first[lane]][0]) for lane in range(topo.lanes)
              if len(topo.islands) > 1]
     if spec.vs_gloo:
-        groups["gloo"] = f"bench-gloo-{stamp}"
         col.create_collective_group(list(actors), world, list(range(world)), backend="gloo",
                                     group_name=groups["gloo"])
     itemsize = torch.tensor([], dtype=getattr(torch, spec.dtype)).element_size()
@@ -292,18 +345,21 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
             nbytes = count * itemsize
             for backend, group in groups.items():
                 results = ray.get([a.call.remote(rank_run, group, backend, op, count, spec.dtype, spec.warmup,
-                                                 spec.iters, rank, world) for rank, a in enumerate(actors)],
+                                                 spec.iters, rank, world, spec.data) for rank, a in enumerate(actors)],
                                   timeout=max(timeout_s, 600))
                 seconds = max(r["time_s"] for r in results)
                 algbw = nbytes / seconds / 1e9
-                border = (sum(r["border_bytes"] for r in results) if backend == "hetccl"
+                hetccl = backend.startswith("hetccl")
+                border = (sum(r["border_bytes"] for r in results) if hetccl
                           else ring_border_bytes(op, island_of_rank, nbytes))
+                wire = sum(r["wire_bytes"] for r in results) if hetccl else border
                 rows.append({"op": op, "size": nbytes, "count": count, "type": spec.dtype,
                              "redop": "sum" if op in ("allreduce", "reducescatter", "reduce") else "none",
                              "root": 0 if op in ("broadcast", "reduce") else -1, "backend": backend,
                              "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, world),
                              "wrong": sum(r["wrong"] for r in results), "border_bytes": border,
-                             "border_bound": hetccl_bound(op, topo, nbytes)})
+                             "wire_bytes": wire, "wire_ratio": wire / border if border else None,
+                             "border_bound": hetccl_bound(op, topo, nbytes), "data": spec.data})
                 if link_rate:
                     bound_s = link_seconds(op, topo, nbytes, parse_rate(link_rate))
                     rows[-1]["x_link_bound"] = seconds / bound_s if bound_s else None
@@ -311,16 +367,22 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     frame = pd.DataFrame(rows)
     frame.attrs["lanes"] = lanes
     frame.attrs["model"] = per_rank[0][1]
-    if spec.vs_gloo:
-        wide = frame.pivot_table(index=["op", "size"], columns="backend", values="time_us")
-        frame["hetccl_vs_gloo"] = frame.apply(
-            lambda row: wide.loc[(row.op, row["size"]), "gloo"] / wide.loc[(row.op, row["size"]), "hetccl"],
+    frame.attrs["compression"] = [
+        f"{label} {line}" for label in labels if label.startswith("hetccl")
+        for lines in ray.get([a.call.remote(compression_report, groups[label], r) for r, a in enumerate(actors)],
+                             timeout=max(timeout_s, 60)) for line in lines]
+    wide = frame.pivot_table(index=["op", "size"], columns="backend", values="time_us")
+    for other in labels[1:]:  # how many times faster the first hetccl group is than each other backend
+        frame[f"{labels[0]}_vs_{other}"] = frame.apply(
+            lambda row: wide.loc[(row.op, row["size"]), other] / wide.loc[(row.op, row["size"]), labels[0]],
             axis=1)
     return frame
 
 
 def format_table(frame: pd.DataFrame) -> str:
-    """The nccl-tests table: one line per (op, size), hetccl columns then gloo's."""
+    """The nccl-tests table: one line per (op, size), each backend's columns (hetccl's with
+    the bytes on the wire and their ratio to the payload), then how many times faster the
+    first backend is than each other one."""
     backends = list(dict.fromkeys(frame["backend"]))
     head1 = f"{'#':>1}{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>4}"
     head2 = f"{'#':>1}{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>4}"
@@ -328,11 +390,15 @@ def format_table(frame: pd.DataFrame) -> str:
     for backend in backends:
         head1 += f" | {backend + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'border':>10}"
         head2 += f" | {'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(B)':>10}"
+        if backend.startswith("hetccl"):
+            head1 += f" {'wire':>10} {'wire/':>6}"
+            head2 += f" {'(B)':>10} {'border':>6}"
         if linked:
             head1 += f" {'time':>7}"
             head2 += f" {'/link':>7}"
-    if "hetccl_vs_gloo" in frame:
-        head1 += f" | {'gloo/hetccl':>11}"
+    others = [b for b in backends[1:] if f"{backends[0]}_vs_{b}" in frame]
+    for other in others:
+        head1 += f" | {other + '/' + backends[0]:>11}"
         head2 += f" | {'(x faster)':>11}"
     lines = [head1, head2]
     for op, per_op in frame.groupby("op", sort=False):
@@ -345,10 +411,13 @@ def format_table(frame: pd.DataFrame) -> str:
                 row = rows[rows["backend"] == backend].iloc[0]
                 line += (f" | {row['time_us']:>12.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
                          f"{row['wrong']:>6d} {int(row['border_bytes']):>10d}")
+                if backend.startswith("hetccl"):
+                    ratio = f"{row['wire_ratio']:>6.3f}" if pd.notna(row["wire_ratio"]) else f"{'-':>6}"
+                    line += f" {int(row['wire_bytes']):>10d} {ratio}"
                 if linked:
                     line += f" {row['x_link_bound']:>7.2f}" if pd.notna(row["x_link_bound"]) else f" {'-':>7}"
-            if "hetccl_vs_gloo" in frame:
-                line += f" | {first['hetccl_vs_gloo']:>11.2f}"
+            for other in others:
+                line += f" | {first[f'{backends[0]}_vs_{other}']:>11.2f}"
             lines.append(line)
     return "\n".join(lines)
 
@@ -370,6 +439,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=["gloo"], default=None, help="also run Ray's own backend, side by side")
     p.add_argument("--link-rate", default=None,
                    help="shape inter-island links (e.g. 1gbit): islands in their own network namespaces")
+    p.add_argument("--compress", default="auto",
+                   help="border compression: auto, on or off; a comma list runs one hetccl group per mode")
+    p.add_argument("--data", choices=DATA, default="fill",
+                   help="what ranks send: rank+1 everywhere, real gradients of a small MLP, or random bits")
     p.add_argument("--csv", default=None, help="write the results here")
     p.add_argument("--timeout", type=float, default=120.0, help="group deadline, seconds")
     p.add_argument("--no-progress", action="store_true")
@@ -384,6 +457,13 @@ def _ops(text: str) -> list[str]:
     if unknown:
         raise SystemExit(f"hetccl-bench: unknown op(s) {unknown}; choose from {', '.join(OPS)} or 'all'")
     return ops
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in COMPRESS_MODES for m in modes) or len(set(modes)) != len(modes):
+        raise SystemExit(f"hetccl-bench: --compress takes distinct modes of {', '.join(COMPRESS_MODES)}, got {text!r}")
+    return modes
 
 
 def _cluster_islands(sizes: list[int]) -> list[str]:
@@ -403,7 +483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
         args.minbytes, args.maxbytes, args.stepfactor = 1 << 10, 1 << 20, 32.0
         rates = [None, *_demo_shaped_rate()]
     spec = BenchSpec(_ops(args.op), sweep(args.minbytes, args.maxbytes, args.stepfactor), args.datatype,
-                     args.warmup_iters, args.iters, args.vs == "gloo")
+                     args.warmup_iters, args.iters, args.vs == "gloo", _modes(args.compress), args.data)
     islands = island_names(parse_layout(args.layout), args.interleave)
     frame = pd.concat([_bench_once(args, spec, islands, rate) for rate in rates], ignore_index=True)
     if args.csv:
@@ -442,7 +522,8 @@ def _bench_once(args: argparse.Namespace, spec: BenchSpec, islands: list[str], l
         cluster = LocalCluster(islands)
     header = (f"# hetccl-bench  layout {args.layout}{' interleaved' if args.interleave else ''}  "
               f"islands by rank {islands}  link {link_rate or 'unshaped'}  transport {args.transport}  "
-              f"type {spec.dtype}  warmup {spec.warmup}  iters {spec.iters}")
+              f"type {spec.dtype}  data {spec.data}  compress {','.join(spec.compress)}  "
+              f"warmup {spec.warmup}  iters {spec.iters}")
     if cluster is None:
         actors = place_workers(islands)
         frame = run_sweep(actors, islands, spec, not args.no_progress, args.timeout, args.transport, link_rate)
@@ -454,7 +535,7 @@ def _bench_once(args: argparse.Namespace, spec: BenchSpec, islands: list[str], l
     frame["link_rate"] = link_rate or "unshaped"
     print(header)
     print(Topology.from_islands(islands).describe())
-    for line in frame.attrs.get("lanes", []) + frame.attrs.get("model", []):
+    for line in frame.attrs.get("lanes", []) + frame.attrs.get("model", []) + frame.attrs.get("compression", []):
         print(f"# {line}")
     print(format_table(frame), flush=True)
     return frame

@@ -89,7 +89,7 @@ def test_shaped_link_limits_the_border_and_cleans_up():
     with cluster:
         names = list(cluster.namespaces)
         assert all(name in _namespaces() for name in names)
-        spec = bench.BenchSpec(["allreduce"], [4 << 20], iters=2, warmup=0)
+        spec = bench.BenchSpec(["allreduce"], [4 << 20], iters=2, warmup=0, compress=("off",))  # the raw link
         frame = bench.run_sweep(cluster.workers(islands), islands, spec, progress=False)
     assert frame["wrong"].sum() == 0
     physical_s = (4 << 20) * 8 / 200e6   # S bytes each way over a 200 Mbit/s link

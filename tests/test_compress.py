@@ -10,8 +10,8 @@ import torch
 
 from hetccl_ray.benchdata import gradients, random_bits, rank_data
 from hetccl_ray.compress import frames
-from hetccl_ray.compress.frames import FRAME_BYTES, Decoder, Encoder, FrameError, FrameReader
-from hetccl_ray.compress.planes import layout_for
+from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameError, FrameReader
+from hetccl_ray.compress.planes import array, entropy_bytes, layout_for
 from hetccl_ray.compress.policy import REPROBE, LinkPolicy
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -27,21 +27,29 @@ def _every_pattern(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([specials, bits])
 
 
-def _planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _planes(x: torch.Tensor, lib: str = "numpy") -> tuple[torch.Tensor, torch.Tensor]:
+    """The planes of ``x``, split on numpy views (the CPU path) or on torch tensors (the path
+    of device tensors, run here on CPU)."""
     layout = layout_for(x.dtype)
     coded = torch.empty(x.numel(), dtype=torch.uint8)
     rest = torch.empty(x.numel() * (x.element_size() - 1), dtype=torch.uint8)
-    layout.split(x.view(torch.uint8), coded, rest)
+    as_lib = array if lib == "numpy" else (lambda t: t)
+    layout.split(as_lib(x.view(torch.uint8)), as_lib(coded), as_lib(rest))
     return coded, rest
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_planes_join_back_to_every_bit_pattern(dtype):
+def test_planes_join_back_to_every_bit_pattern(dtype, lib):
     x = _every_pattern(dtype)
-    coded, rest = _planes(x)
+    coded, rest = _planes(x, lib)
+    for mine, theirs in zip((coded, rest), _planes(x, "torch" if lib == "numpy" else "numpy")):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())  # both libraries agree
     out = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8)
-    layout_for(dtype).join(coded, rest, out)
+    as_lib = array if lib == "numpy" else (lambda t: t)
+    layout_for(dtype).join(as_lib(coded), as_lib(rest), as_lib(out))
     np.testing.assert_array_equal(out.numpy(), x.view(torch.uint8).numpy())
+    assert entropy_bytes(coded) == pytest.approx(entropy_bytes(coded.numpy()))
 
 
 @pytest.mark.parametrize("dtype,exp_shift", [(torch.bfloat16, 7), (torch.float32, 23)])
@@ -58,7 +66,7 @@ def test_the_coded_plane_is_the_exponent_and_the_rest_keeps_sign_and_mantissa(dt
 
 
 def _encode(x: torch.Tensor, encoder: Encoder = None) -> bytes:
-    return b"".join(bytes(view) for view in (encoder or Encoder()).frames(x, layout_for(x.dtype)))
+    return b"".join(bytes(view) for view in (encoder or Encoder()).frames(x, layout_for(x.dtype), CodecStats()))
 
 
 def _decode(stream: bytes, like: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
@@ -74,7 +82,7 @@ def _decode(stream: bytes, like: torch.Tensor, out: torch.Tensor = None) -> torc
         view[:] = stream[at:at + len(view)]
         at += len(view)
         reader.filled()
-    assert at == len(stream) and reader.wire == len(stream)
+    assert at == len(stream) and reader.stats.wire == len(stream) and reader.stats.raw == whole.numel()
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import zstandard
 
-from hetccl_ray.compress.planes import Layout, entropy_bytes
+from hetccl_ray.compress.planes import Layout, array, entropy_bytes
 
 FRAME_BYTES = 512 << 10
 STORED, ZSTD = 1, 2  # how a frame's exponent plane travels
@@ -40,7 +40,7 @@ class FrameError(ValueError):
 
 @dataclass
 class CodecStats:
-    """What one direction of a link's codec did: bytes in and out, seconds spent."""
+    """What coding one message did: payload bytes, bytes on the wire, seconds spent."""
 
     raw: int = 0
     wire: int = 0
@@ -98,13 +98,13 @@ class Encoder:
     coded while earlier ones still wait in the socket queue (at most ``RING - 1`` ahead)."""
 
     RING = 3
-    stats: CodecStats = field(default_factory=CodecStats)
     _zstd: zstandard.ZstdCompressor = field(default_factory=lambda: zstandard.ZstdCompressor(level=_ZSTD_LEVEL))
     _rings: dict = field(default_factory=dict)
 
-    def frames(self, buf: torch.Tensor, layout: Layout) -> Iterator[memoryview]:
+    def frames(self, buf: torch.Tensor, layout: Layout, stats: CodecStats) -> Iterator[memoryview]:
         """The framed bytes of the contiguous tensor ``buf``: a frame's head and raw plane,
-        then its coded exponent plane, frame after frame, coded as they are asked for."""
+        then its coded exponent plane, frame after frame, coded as they are asked for (what
+        that cost is added to ``stats``)."""
         flat = buf.reshape(-1).view(torch.uint8)
         key = (layout, flat.device)
         ring = self._rings.setdefault(key, [_Planes.make(layout, flat.device) for _ in range(self.RING)])
@@ -115,8 +115,8 @@ class Encoder:
             n = raw.numel() // layout.itemsize
             slot = ring[k % self.RING]
             coded, rest = slot.coded[:n], slot.rest[:n * (layout.itemsize - 1)]
-            layout.split(raw, coded, rest)
-            worth = entropy_bytes(coded) < _WORTH_CODING * n
+            layout.split(array(raw), array(coded), array(rest))
+            worth = entropy_bytes(array(coded)) < _WORTH_CODING * n
             coded, rest = _host(coded, slot.host_coded), _host(rest, slot.host_rest)
             codec = ZSTD if worth else STORED
             head = _HEAD.pack(codec, raw.numel(), _crc(coded, rest))
@@ -125,7 +125,7 @@ class Encoder:
             yield _bytes(rest)
             started = time.perf_counter()
             body = self._zstd.compress(_bytes(coded)) if worth else _bytes(coded)
-            self.stats.add(raw.numel(), len(head) + rest.numel() + _CODED.size + len(body),
+            stats.add(raw.numel(), len(head) + rest.numel() + _CODED.size + len(body),
                            split_s + time.perf_counter() - started)
             yield memoryview(_CODED.pack(len(body)))
             yield memoryview(body)
@@ -135,7 +135,6 @@ class Decoder:
     """The receiving end of a link's framed payloads: plane buffers and zstd, kept per link."""
 
     def __init__(self) -> None:
-        self.stats = CodecStats()
         self._zstd = zstandard.ZstdDecompressor()
         self._planes: dict = {}
         self.coded_buf = bytearray(FRAME_BYTES)
@@ -159,7 +158,8 @@ class Decoder:
 class FrameReader:
     """Receives one framed payload of ``nbytes``: :meth:`want` hands out the next buffer to fill;
     when a frame is complete it is checked and joined into ``target(offset, n)`` (a uint8 tensor
-    on the destination's device), then ``landed(offset, n)`` runs (e.g. a reduction)."""
+    on the destination's device), then ``landed(offset, n)`` runs (e.g. a reduction).
+    ``stats`` says what decoding cost."""
 
     def __init__(self, layout: Layout, nbytes: int, device: torch.device, decoder: Decoder,
                  target: Callable[[int, int], torch.Tensor], landed: Callable[[int, int], None]) -> None:
@@ -167,7 +167,7 @@ class FrameReader:
         self.target, self.landed = target, landed
         self.planes = decoder.planes(layout, device)
         self.offset, self.frame = 0, 0
-        self.wire = 0
+        self.stats = CodecStats()
         self._state = "head"
         self._buf = bytearray(_HEAD.size)
         self._head: tuple[int, int, int] = (0, 0, 0)
@@ -223,11 +223,9 @@ class FrameReader:
         if self.planes.coded.device.type != "cpu":
             coded = self.planes.coded[:n].copy_(coded, non_blocking=True)
             rest = self.planes.rest[:rest.numel()].copy_(rest, non_blocking=True)
-        self.layout.join(coded, rest, self.target(self.offset, raw))
+        self.layout.join(array(coded), array(rest), array(self.target(self.offset, raw)))
         self.landed(self.offset, raw)
-        wire = _HEAD.size + rest.numel() + _CODED.size + self._coded_len
-        self.wire += wire
-        self.decoder.stats.add(raw, wire, time.perf_counter() - started)
+        self.stats.add(raw, _HEAD.size + rest.numel() + _CODED.size + self._coded_len, time.perf_counter() - started)
         self.offset += raw
         self.frame += 1
         self._state, self._buf = "head", bytearray(_HEAD.size)

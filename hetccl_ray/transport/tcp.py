@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import torch
 
 from hetccl_ray.collective.reduction import combine
-from hetccl_ray.compress.frames import FRAME_BYTES, Decoder, Encoder, FrameReader
+from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameReader
 from hetccl_ray.compress.planes import layout_for
 from hetccl_ray.compress.policy import LinkPolicy
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
@@ -124,14 +124,14 @@ class _Outgoing:
     def __init__(self, tag: Tag, buf: torch.Tensor, extra: bytes, handle: Handle, link: "_Link") -> None:
         self.handle, self.moved = handle, buf.numel() * buf.element_size()
         policy = link.policy
-        self.eligible = policy is not None and not extra and policy.eligible(self.moved, buf.dtype)
+        self.eligible = policy is not None and policy.eligible(self.moved, buf.dtype)
         self.framed = self.eligible and policy.choose()
         self.pending = [memoryview(tag.header(self.moved, len(extra), self.framed) + extra)]
         self.header_bytes = len(self.pending[0])
         self.wire = 0  # payload bytes written (frames, when framed)
+        self.coding = CodecStats()
         if self.framed:
-            self.coded_before = (link.encoder.stats.raw, link.encoder.stats.wire, link.encoder.stats.seconds)
-            self.later: Iterator[memoryview] = link.encoder.frames(buf, layout_for(buf.dtype))
+            self.later: Iterator[memoryview] = link.encoder.frames(buf, layout_for(buf.dtype), self.coding)
         elif buf.device.type == "cpu":
             self.pending.append(_byte_view(buf))
             self.later = iter(())
@@ -181,9 +181,7 @@ class _Outgoing:
         if not self.eligible:
             return
         if self.framed:
-            raw, wire, seconds = (now - before for now, before in zip(
-                (link.encoder.stats.raw, link.encoder.stats.wire, link.encoder.stats.seconds), self.coded_before))
-            link.policy.note_encode(raw, wire, seconds)
+            link.policy.note_encode(self.coding.raw, self.coding.wire, self.coding.seconds)
         sample = delivery_rate(link.sock) if self.moved >= FRAME_BYTES else None
         if sample is not None:
             link.policy.note_link(*sample)
@@ -199,7 +197,6 @@ class _Incoming:
         self.moved = 0  # payload bytes the sender announced
         self.wire = 0  # payload bytes on the wire (fewer than moved when framed)
         self.framed, self.reader = False, None
-        self.decode_before = 0.0
         self.direct = op is None and buf.device.type == "cpu"  # lands in ``buf`` as it is, unstaged
         self.header = bytearray(HEADER_SIZE)
         self.view, self.got = memoryview(self.header), 0
@@ -238,7 +235,6 @@ class _Incoming:
             self.phase = "payload"
             if self.framed:
                 self.reader = self._frame_reader(link)
-                self.decode_before = link.decoder.stats.seconds
                 return self._next_frame_part()
             if self.handle.spill is not None:
                 return self._expect(memoryview(self.handle.spill))
@@ -286,7 +282,7 @@ class _Incoming:
     def _next_frame_part(self) -> bool:
         view = self.reader.want()
         if view is None:
-            self.wire = self.reader.wire
+            self.wire = self.reader.stats.wire
             return True
         return self._expect(view)
 
@@ -307,7 +303,7 @@ class _Incoming:
             return
         link.owner.count(received=self.moved, wire_received=self.wire)
         if self.reader is not None and link.policy is not None:
-            link.policy.note_decode(self.moved, link.decoder.stats.seconds - self.decode_before)
+            link.policy.note_decode(self.moved, self.reader.stats.seconds)
 
 
 class _Link:
