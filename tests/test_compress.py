@@ -52,17 +52,19 @@ def test_planes_join_back_to_every_bit_pattern(dtype, lib):
     assert entropy_bytes(coded) == pytest.approx(entropy_bytes(coded.numpy()))
 
 
-@pytest.mark.parametrize("dtype,exp_shift", [(torch.bfloat16, 7), (torch.float32, 23)])
-def test_the_coded_plane_is_the_exponent_and_the_rest_keeps_sign_and_mantissa(dtype, exp_shift):
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_coded_plane_is_the_top_byte_and_the_rest_the_low_bytes_planar(dtype):
     x = _every_pattern(dtype)
-    u = x.view(torch.uint8).numpy().view(_UINT[x.element_size()]).astype(np.uint64)
+    w, n = x.element_size(), x.numel()
+    u = x.view(torch.uint8).numpy().view(_UINT[w]).astype(np.uint64)
     coded, rest = _planes(x)
-    np.testing.assert_array_equal(coded.numpy(), (u >> exp_shift) & 0xFF)
-    width = 8 * (x.element_size() - 1)
-    low = rest.numpy().reshape(-1, x.element_size() - 1).astype(np.uint64)
-    packed = sum(low[:, i] << (8 * i) for i in range(low.shape[1]))
-    sign = (u >> (8 * x.element_size() - 1)) & 1
-    np.testing.assert_array_equal(packed, (sign << (width - 1)) | (u & ((1 << exp_shift) - 1)))
+    np.testing.assert_array_equal(coded.numpy(), u >> np.uint64(8 * (w - 1)))
+    planes, at, offset, low = rest.numpy(), 0, 0, np.zeros(n, np.uint64)
+    for width in {2: [1], 4: [2, 1], 8: [4, 2, 1]}[w]:  # widest piece first
+        piece = planes[at:at + n * width].view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width])
+        low |= piece.astype(np.uint64) << np.uint64(offset)
+        at, offset = at + n * width, offset + 8 * width
+    np.testing.assert_array_equal(low, u & np.uint64((1 << (8 * (w - 1))) - 1))
 
 
 def _encode(x: torch.Tensor, encoder: Encoder = None) -> bytes:

@@ -84,7 +84,7 @@ def test_compressed_payloads_land_and_reduce_bit_exactly(pair, dtype):
     np.testing.assert_array_equal(out.view(torch.uint8).numpy(), x.view(torch.uint8).numpy())
     np.testing.assert_array_equal(acc.to(torch.float64).numpy(), (torch.ones(n, dtype=dtype) + x).to(torch.float64))
     assert pair[0].bytes_sent == 2 * n * x.element_size() == pair[1].bytes_received
-    assert pair[0].wire_bytes_sent == pair[1].wire_bytes_received < 0.9 * pair[0].bytes_sent
+    assert pair[0].wire_bytes_sent == pair[1].wire_bytes_received < 0.95 * pair[0].bytes_sent
     assert pair[0].compression()[1]["messages_compressed"] == 2
 
 

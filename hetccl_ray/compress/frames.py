@@ -5,9 +5,11 @@ One frame per chunk of at most ``FRAME_BYTES`` (whole elements)::
     head (codec, raw bytes, crc32 of both planes) | raw plane | coded length | exponent plane, coded
 
 The raw plane leaves before the exponent plane is coded (split-send), and a chunk is coded
-while the previous one is on the wire. The exponent plane goes through zstd level 1 (on
-this machine's gradients: 0.36 of its size at 330 MB/s; lz4 0.65, zstd 3 half as fast), or
-stored when its histogram says it will not shrink. The receiver checks every frame's sizes
+while the previous one is on the wire. The exponent plane goes through zstd level 1 with a
+minimal match finder (exponents repeat as symbols, not as strings: zstd's Huffman stage does
+the work): on this machine's bf16 gradients 0.33 of the plane's size at 900 MB/s, where
+plain level 1 gives 0.36 at 330 MB/s, level -1 0.61, lz4 0.65, level 3 half as fast. A
+plane whose histogram says it will not shrink is stored. The receiver checks every frame's sizes
 and checksum before a byte reaches the destination, so a corrupt or truncated frame is an
 error, never a wrong result. Planes are split and joined where the tensor lies (planes.py);
 only the planes pass through host memory.
@@ -30,7 +32,8 @@ FRAME_BYTES = 512 << 10
 STORED, ZSTD = 1, 2  # how a frame's exponent plane travels
 _HEAD = struct.Struct("!BII")  # codec, raw bytes of the chunk, crc32 of the planes
 _CODED = struct.Struct("!I")  # bytes of the coded exponent plane
-_ZSTD_LEVEL = 1
+_ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=17, min_match=7, hash_log=6,
+                                                              search_log=1)
 _WORTH_CODING = 0.9  # code the exponent plane only if its entropy says it shrinks below this
 
 
@@ -98,7 +101,8 @@ class Encoder:
     coded while earlier ones still wait in the socket queue (at most ``RING - 1`` ahead)."""
 
     RING = 3
-    _zstd: zstandard.ZstdCompressor = field(default_factory=lambda: zstandard.ZstdCompressor(level=_ZSTD_LEVEL))
+    _zstd: zstandard.ZstdCompressor = field(
+        default_factory=lambda: zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS))
     _rings: dict = field(default_factory=dict)
 
     def frames(self, buf: torch.Tensor, layout: Layout, stats: CodecStats) -> Iterator[memoryview]:
