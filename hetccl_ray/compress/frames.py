@@ -28,7 +28,7 @@ import zstandard
 
 from hetccl_ray.compress.planes import Layout, array, entropy_bytes
 
-FRAME_BYTES = 512 << 10
+FRAME_BYTES = 1 << 20
 STORED, ZSTD = 1, 2  # how a frame's exponent plane travels
 _HEAD = struct.Struct("!BII")  # codec, raw bytes of the chunk, crc32 of the planes
 _CODED = struct.Struct("!I")  # bytes of the coded exponent plane
@@ -224,9 +224,9 @@ class FrameReader:
         rest = self.planes.host_rest[:n * (self.layout.itemsize - 1)]
         if _crc(coded, rest) != crc:
             raise self._error("checksum of the planes does not match")
-        if self.planes.coded.device.type != "cpu":
-            coded = self.planes.coded[:n].copy_(coded, non_blocking=True)
-            rest = self.planes.rest[:rest.numel()].copy_(rest, non_blocking=True)
+        if self.planes.coded.device.type != "cpu":  # synchronous: the host planes take the next frame
+            coded = self.planes.coded[:n].copy_(coded)
+            rest = self.planes.rest[:rest.numel()].copy_(rest)
         self.layout.join(array(coded), array(rest), array(self.target(self.offset, raw)))
         self.landed(self.offset, raw)
         self.stats.add(raw, _HEAD.size + rest.numel() + _CODED.size + self._coded_len, time.perf_counter() - started)

@@ -80,13 +80,11 @@ class LinkPolicy:
 
     def note_link(self, delivery_Bps: float, app_limited: bool) -> None:
         """A delivery-rate sample of the link. One the sender limited (it had nothing queued)
-        only says the link is at least that fast."""
-        if delivery_Bps <= 0:
+        is taken only while there is no other: a short burst passes a shaped link (its token
+        bucket) at line rate, so such samples overstate what the link sustains."""
+        if delivery_Bps <= 0 or (app_limited and self.link_Bps is not None):
             return
-        if app_limited:
-            self.link_Bps = max(self.link_Bps or 0.0, delivery_Bps)
-        else:
-            self.link_Bps = _blend(self.link_Bps, delivery_Bps)
+        self.link_Bps = _blend(self.link_Bps, delivery_Bps)
 
     def note_encode(self, raw: int, wire: int, seconds: float) -> None:
         """One framed message sent: its payload bytes, bytes on the wire, seconds coding."""
