@@ -219,8 +219,10 @@ def _wrong(op: str, world: int, rank: int, count: int, x: torch.Tensor, chunks, 
         w = w.to(x.dtype).to(torch.float64)  # overflows and wraps as the dtype does
         g = g.to(torch.float64)
         if op in ("allreduce", "reduce", "reducescatter") and x.dtype.is_floating_point:
-            close = ((g - w).abs() <= world * torch.finfo(x.dtype).eps * scale) | (g == w)
-            wrong += int((~close).sum().item())
+            info = torch.finfo(x.dtype)
+            close = ((g - w).abs() <= world * info.eps * scale) | (g == w)
+            near_overflow = scale >= info.max / 2  # partial sums may round to inf in another order
+            wrong += int((~close & ~near_overflow).sum().item())
         else:
             wrong += int((g != w).sum().item())
     return wrong

@@ -92,10 +92,10 @@ def test_compressed_payloads_land_and_reduce_bit_exactly(pair, dtype):
 def test_a_corrupt_frame_is_an_error_naming_the_peer(pair, monkeypatch):
     frames = Encoder.frames
 
-    def corrupting(self, buf, layout, stats, code):
+    def corrupting(self, buf, layout, stats):
         """FAKE corruption (TCP does not corrupt): frame 0's coded plane has one bit flipped
         after its checksum was taken."""
-        for k, view in enumerate(frames(self, buf, layout, stats, code)):
+        for k, view in enumerate(frames(self, buf, layout, stats)):
             yield memoryview(bytes(view[:-1]) + bytes([view[-1] ^ 1])) if k == 3 else view
     monkeypatch.setattr(Encoder, "frames", corrupting)
     x = gradients(FRAME_BYTES // 4, torch.float32)

@@ -1,13 +1,11 @@
 """Framed, compressed payloads: a tensor's bytes as a series of chunk frames.
 
-One frame per chunk of at most ``FRAME_BYTES`` (whole elements), coded or passed as it is::
+One frame per chunk of at most ``FRAME_BYTES`` (whole elements)::
 
-    head (ZSTD or STORED, raw bytes, crc32 of both planes) | raw plane | coded length | top-byte plane
-    head (RAW, raw bytes, crc32 of the chunk) | the chunk
+    head (codec, raw bytes, crc32 of both planes) | raw plane | coded length | exponent plane, coded
 
-The raw plane leaves before the top-byte plane is coded (split-send), and a chunk is coded
-while the previous one is on the wire. Whether a chunk is coded is asked chunk by chunk
-(policy.py codes while the link is backlogged and passes chunks raw while it would idle). The exponent plane goes through zstd level 1 with a
+The raw plane leaves before the exponent plane is coded (split-send), and a chunk is coded
+while the previous one is on the wire. The exponent plane goes through zstd level 1 with a
 minimal match finder (exponents repeat as symbols, not as strings: zstd's Huffman stage does
 the work): on this machine's bf16 gradients 0.33 of the plane's size at 900 MB/s, where
 plain level 1 gives 0.36 at 330 MB/s, level -1 0.61, lz4 0.65, level 3 half as fast. A
@@ -31,7 +29,7 @@ import zstandard
 from hetccl_ray.compress.planes import Layout, array, entropy_bytes
 
 FRAME_BYTES = 1 << 20
-RAW, STORED, ZSTD = 0, 1, 2  # a chunk as it is; planes with the top bytes stored; with them coded
+STORED, ZSTD = 1, 2  # how a frame's exponent plane travels
 _HEAD = struct.Struct("!BII")  # codec, raw bytes of the chunk, crc32 of the planes
 _CODED = struct.Struct("!I")  # bytes of the coded exponent plane
 _ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=17, min_match=7, hash_log=6,
@@ -45,14 +43,12 @@ class FrameError(ValueError):
 
 @dataclass
 class CodecStats:
-    """What coding one message did: payload and wire bytes of its coded frames and the
-    seconds spent on them; payload bytes of the frames passed raw."""
+    """What coding one message did: payload bytes, bytes on the wire, seconds spent."""
 
     raw: int = 0
     wire: int = 0
     seconds: float = 0.0
     frames: int = 0
-    passed: int = 0
 
     def add(self, raw: int, wire: int, seconds: float) -> None:
         self.raw += raw
@@ -80,14 +76,12 @@ def _crc(coded: torch.Tensor, rest: torch.Tensor) -> int:
 
 @dataclass
 class _Planes:
-    """One frame's buffers: planes on the tensor's device and in host memory, and (for a
-    device tensor) host memory for a chunk passed raw."""
+    """One frame's plane buffers: on the tensor's device, and in host memory."""
 
     coded: torch.Tensor
     rest: torch.Tensor
     host_coded: torch.Tensor
     host_rest: torch.Tensor
-    host_raw: Optional[torch.Tensor]
 
     @classmethod
     def make(cls, layout: Layout, device: torch.device) -> "_Planes":
@@ -97,9 +91,8 @@ class _Planes:
         host = lambda size: torch.empty(size, dtype=torch.uint8, pin_memory=pinned)  # noqa: E731
         if not pinned:
             coded, rest = make(n, device), make(n * (layout.itemsize - 1), device)
-            return cls(coded, rest, coded, rest, None)
-        return cls(make(n, device), make(n * (layout.itemsize - 1), device), host(n), host(n * (layout.itemsize - 1)),
-                   host(FRAME_BYTES))
+            return cls(coded, rest, coded, rest)
+        return cls(make(n, device), make(n * (layout.itemsize - 1), device), host(n), host(n * (layout.itemsize - 1)))
 
 
 @dataclass
@@ -112,11 +105,10 @@ class Encoder:
         default_factory=lambda: zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS))
     _rings: dict = field(default_factory=dict)
 
-    def frames(self, buf: torch.Tensor, layout: Layout, stats: CodecStats,
-               code: Callable[[], bool] = lambda: True) -> Iterator[memoryview]:
-        """The framed bytes of the contiguous tensor ``buf``, frame after frame, made as they
-        are asked for: a chunk for which ``code()`` says no goes raw; a coded one yields its
-        head and raw plane, then its coded top-byte plane. What coding cost goes to ``stats``."""
+    def frames(self, buf: torch.Tensor, layout: Layout, stats: CodecStats) -> Iterator[memoryview]:
+        """The framed bytes of the contiguous tensor ``buf``: a frame's head and raw plane,
+        then its coded exponent plane, frame after frame, coded as they are asked for (what
+        that cost is added to ``stats``)."""
         flat = buf.reshape(-1).view(torch.uint8)
         key = (layout, flat.device)
         ring = self._rings.setdefault(key, [_Planes.make(layout, flat.device) for _ in range(self.RING)])
@@ -126,12 +118,6 @@ class Encoder:
             raw = flat[offset:offset + step]
             n = raw.numel() // layout.itemsize
             slot = ring[k % self.RING]
-            if not code():
-                chunk = _bytes(_host(raw, slot.host_raw))
-                stats.passed += len(chunk)
-                yield memoryview(_HEAD.pack(RAW, len(chunk), zlib.crc32(chunk)))
-                yield chunk
-                continue
             coded, rest = slot.coded[:n], slot.rest[:n * (layout.itemsize - 1)]
             layout.split(array(raw), array(coded), array(rest))
             worth = entropy_bytes(array(coded)) < _WORTH_CODING * n
@@ -156,7 +142,6 @@ class Decoder:
         self._zstd = zstandard.ZstdDecompressor()
         self._planes: dict = {}
         self.coded_buf = bytearray(FRAME_BYTES)
-        self.raw_buf = torch.empty(FRAME_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
     def planes(self, layout: Layout, device: torch.device) -> _Planes:
         key = (layout, device)
@@ -187,7 +172,6 @@ class FrameReader:
         self.planes = decoder.planes(layout, device)
         self.offset, self.frame = 0, 0
         self.stats = CodecStats()
-        self.wire = 0
         self._state = "head"
         self._buf = bytearray(_HEAD.size)
         self._head: tuple[int, int, int] = (0, 0, 0)
@@ -198,8 +182,6 @@ class FrameReader:
             return None
         if self._state in ("head", "length"):
             return memoryview(self._buf)
-        if self._state == "raw":
-            return _bytes(self._raw_landing())
         if self._state == "rest":
             return _bytes(self.planes.host_rest[:self._n * (self.layout.itemsize - 1)])
         if self._head[0] == STORED:
@@ -211,14 +193,12 @@ class FrameReader:
         if self._state == "head":
             self._head = _HEAD.unpack(bytes(self._buf))
             codec, raw, _ = self._head
-            if codec not in (RAW, STORED, ZSTD):
+            if codec not in (STORED, ZSTD):
                 raise self._error(f"unknown codec {codec}")
             if raw <= 0 or raw % self.layout.itemsize or raw > FRAME_BYTES or raw > self.nbytes - self.offset:
                 raise self._error(f"frame of {raw} bytes where {self.nbytes - self.offset} remain")
             self._n = raw // self.layout.itemsize
-            self._state = "raw" if codec == RAW else "rest"
-        elif self._state == "raw":
-            self._finish_raw()
+            self._state = "rest"
         elif self._state == "rest":
             self._state, self._buf = "length", bytearray(_CODED.size)
         elif self._state == "length":
@@ -229,32 +209,6 @@ class FrameReader:
             self._state = "coded"
         else:
             self._finish_frame()
-
-    def _raw_landing(self) -> torch.Tensor:
-        """Where a raw chunk is received: its target itself if that is in host memory."""
-        raw = self._head[1]
-        target = self.target(self.offset, raw)
-        return target if target.device.type == "cpu" else self.decoder.raw_buf[:raw]
-
-    def _finish_raw(self) -> None:
-        """A raw chunk is in: check it (in its place, when received there) and land it."""
-        raw, crc = self._head[1:]
-        got = self._raw_landing()
-        if zlib.crc32(_bytes(got)) != crc:
-            raise self._error("checksum of the chunk does not match")
-        target = self.target(self.offset, raw)
-        if target.data_ptr() != got.data_ptr():
-            target.copy_(got)
-        self._next(raw, _HEAD.size + raw)
-        self.stats.passed += raw
-
-    def _next(self, raw: int, wire: int) -> None:
-        """Land the frame's bytes and expect the next frame."""
-        self.landed(self.offset, raw)
-        self.wire += wire
-        self.offset += raw
-        self.frame += 1
-        self._state, self._buf = "head", bytearray(_HEAD.size)
 
     def _finish_frame(self) -> None:
         started = time.perf_counter()
@@ -274,9 +228,11 @@ class FrameReader:
             coded = self.planes.coded[:n].copy_(coded)
             rest = self.planes.rest[:rest.numel()].copy_(rest)
         self.layout.join(array(coded), array(rest), array(self.target(self.offset, raw)))
-        wire = _HEAD.size + rest.numel() + _CODED.size + self._coded_len
-        self.stats.add(raw, wire, time.perf_counter() - started)
-        self._next(raw, wire)
+        self.landed(self.offset, raw)
+        self.stats.add(raw, _HEAD.size + rest.numel() + _CODED.size + self._coded_len, time.perf_counter() - started)
+        self.offset += raw
+        self.frame += 1
+        self._state, self._buf = "head", bytearray(_HEAD.size)
 
     def _error(self, what: str) -> FrameError:
         return FrameError(f"corrupt frame {self.frame} (payload byte {self.offset} of {self.nbytes}): {what}")

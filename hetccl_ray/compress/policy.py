@@ -1,16 +1,12 @@
 """When a border link compresses: measured per link, decided per message.
 
-``compress`` = ``"on"`` codes every chunk of every float payload to a peer in another
-island, ``"off"`` none. ``"auto"`` decides twice. Per message of at least ``MIN_BYTES``:
-whether coding can save time, from the link's delivery rate R (bytes/s the network takes,
-the kernel's TCP estimate) against the codec's measured ratio r and speeds (encode E,
-decode D, bytes of input per second): chunks are pipelined, so a coded message costs
-about max(r / R, 1 / E, 1 / D) seconds per byte against 1 / R raw, and coding may pay when
-that is below ``GAIN`` / R. Then per chunk of such a message: code it only while the link
-is backlogged (``BUSY_BYTES`` wait in the socket), else pass it raw at once, so a host
-short of CPU never starves its link (coding and raw chunks balance by themselves). The
-first eligible message is coded whole to measure the codec, and while raw, every
-``REPROBE``-th one is again, so a change of data is seen.
+``compress`` = ``"on"`` frames every float payload to a peer in another island, ``"off"``
+none, ``"auto"`` those of at least ``MIN_BYTES`` when it saves time: the link's delivery rate R (bytes/s the network takes, from the kernel's TCP
+estimate) against the codec's measured ratio r and speeds (encode E, decode D, bytes of
+input per second). Chunks are pipelined, so a compressed message costs about
+max(r / R, 1 / E, 1 / D) seconds per byte against 1 / R raw; auto compresses when that is
+below ``GAIN`` / R. The first eligible message is compressed to measure the codec, and
+while raw, every ``REPROBE``-th one is again, so a change of data is seen.
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ from hetccl_ray.compress.planes import layout_for
 
 MODES = ("auto", "on", "off")
 MIN_BYTES = 64 << 10
-BUSY_BYTES = 512 << 10
 GAIN = 0.9
-REPROBE = 64
+REPROBE = 256
 _KEEP = 0.7  # weight of the old value in the running estimates
 
 
@@ -60,20 +55,21 @@ class LinkPolicy:
         return (self.mode == "on" or (self.mode == "auto" and nbytes >= MIN_BYTES)) and (
             nbytes > 0 and layout_for(dtype) is not None)
 
-    def choose(self) -> str:
-        """How the next eligible message goes: "raw", "all" (every chunk coded: "on", and
-        the probes that measure the codec) or "busy" (chunks coded while the link is backlogged)."""
-        if self.mode == "on" or self.ratio is None:  # the first one measures the codec
-            how = "all"
+    def choose(self) -> bool:
+        """Whether the next eligible message goes compressed."""
+        if self.mode == "on":
+            framed = True
+        elif self.ratio is None:
+            framed = True  # the first one measures the codec
         else:
             self._since_probe += 1
             self.compressing = self._saves_time()
-            how = "busy" if self.compressing else "all" if self._since_probe % REPROBE == 0 else "raw"
-        if how == "raw":
-            self.raw += 1
-        else:
+            framed = self.compressing or self._since_probe % REPROBE == 0
+        if framed:
             self.compressed += 1
-        return how
+        else:
+            self.raw += 1
+        return framed
 
     def _saves_time(self) -> bool:
         if self.link_Bps is None:

@@ -15,7 +15,6 @@ codec's measured speed and ratio.
 from __future__ import annotations
 
 import collections
-import fcntl
 import hashlib
 import hmac
 import logging
@@ -23,7 +22,6 @@ import os
 import select
 import socket
 import struct
-import termios
 import threading
 import time
 from typing import Iterator, Optional
@@ -33,7 +31,7 @@ import torch
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameReader
 from hetccl_ray.compress.planes import layout_for
-from hetccl_ray.compress.policy import BUSY_BYTES, LinkPolicy
+from hetccl_ray.compress.policy import LinkPolicy
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.transport.base import HEADER_SIZE, ByteCounter, Handle, Tag, chunks, mismatch
 
@@ -49,7 +47,6 @@ _HANDSHAKE_TIMEOUT_S = 5.0
 _POLL_S = 0.05
 _TCP_INFO = struct.Struct("=8xQ")  # struct tcp_info: tcpi_delivery_rate is the u64 at byte 160
 _TCP_INFO_AT = 160 - 8
-_INT = struct.Struct("i")
 
 
 def delivery_rate(sock: socket.socket) -> Optional[tuple[float, bool]]:
@@ -63,15 +60,6 @@ def delivery_rate(sock: socket.socket) -> Optional[tuple[float, bool]]:
         return None
     (rate,) = _TCP_INFO.unpack_from(info, _TCP_INFO_AT)
     return float(rate), bool(info[7] & 1)
-
-
-def backlog(sock: socket.socket) -> int:
-    """Bytes waiting in the socket's send queue (sent but not acknowledged, or not sent yet);
-    where the system does not say, a full queue (so chunks are coded)."""
-    try:
-        return _INT.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_INT.size)))[0]
-    except (AttributeError, OSError):
-        return 1 << 62
 
 
 def _byte_view(buf: torch.Tensor) -> memoryview:
@@ -137,15 +125,13 @@ class _Outgoing:
         self.handle, self.moved = handle, buf.numel() * buf.element_size()
         policy = link.policy
         self.eligible = policy is not None and policy.eligible(self.moved, buf.dtype)
-        how = policy.choose() if self.eligible else "raw"
-        self.framed = how != "raw"
+        self.framed = self.eligible and policy.choose()
         self.pending = [memoryview(tag.header(self.moved, len(extra), self.framed) + extra)]
         self.header_bytes = len(self.pending[0])
         self.wire = 0  # payload bytes written (frames, when framed)
         self.coding = CodecStats()
         if self.framed:
-            code = (lambda: True) if how == "all" else (lambda: backlog(link.sock) >= BUSY_BYTES)
-            self.later: Iterator[memoryview] = link.encoder.frames(buf, layout_for(buf.dtype), self.coding, code)
+            self.later: Iterator[memoryview] = link.encoder.frames(buf, layout_for(buf.dtype), self.coding)
         elif buf.device.type == "cpu":
             self.pending.append(_byte_view(buf))
             self.later = iter(())
@@ -296,7 +282,7 @@ class _Incoming:
     def _next_frame_part(self) -> bool:
         view = self.reader.want()
         if view is None:
-            self.wire = self.reader.wire
+            self.wire = self.reader.stats.wire
             return True
         return self._expect(view)
 
