@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind benchmarks/RESULTS.md (about 15 minutes on the 2-core dev machine).
+# The runs behind benchmarks/RESULTS.md (about 25 minutes on the 2-core dev machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=.venv/bin/hetccl-bench
@@ -17,3 +17,10 @@ $B -o alltoall -b 1K -e 16M -f 16 -n 10 -w 2 --vs gloo --no-progress --csv $out/
 $B -o alltoall -b 1K -e 1M -f 32 -n 10 -w 2 --vs gloo --layout 1,2,3 --interleave --no-progress \
    --csv $out/unshaped_1_2_3_alltoall.csv
 $B -o alltoall -b 16M -e 32M -f 2 -n 3 -w 1 --vs gloo --link-rate 1gbit --no-progress --csv $out/shaped_2x2_alltoall.csv
+# border compression (issue 11): real gradients / random bits, one hetccl group per mode side by side
+C="-o allreduce -b 16M -e 32M -f 2 -n 5 -w 1 --link-rate 1gbit --no-progress"
+$B $C --compress auto,off,on --data grads -d bfloat16 --csv $out/shaped_2x2_compress_bf16.csv
+$B $C --compress auto,off,on --data grads -d float32 --csv $out/shaped_2x2_compress_fp32.csv
+$B $C --compress auto,off --data random -d bfloat16 --csv $out/shaped_2x2_compress_random.csv
+$B -o allreduce,allgather,alltoall -b 64K -e 16M -f 16 -n 10 -w 2 --compress auto,off --data grads -d bfloat16 \
+   --no-progress --csv $out/unshaped_2x2_compress.csv

@@ -11,7 +11,9 @@ while raw, every ``REPROBE``-th one is again, so a change of data is seen.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -23,6 +25,7 @@ MIN_BYTES = 64 << 10
 GAIN = 0.9
 REPROBE = 256
 _KEEP = 0.7  # weight of the old value in the running estimates
+_SAMPLES = 15
 
 
 def _blend(old: Optional[float], new: float) -> float:
@@ -44,6 +47,7 @@ class LinkPolicy:
     raw_bytes: int = 0  # payload bytes of the framed messages, and their bytes on the wire
     wire_bytes: int = 0
     _since_probe: int = 0
+    _samples: deque = field(default_factory=lambda: deque(maxlen=_SAMPLES))
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,12 +83,15 @@ class LinkPolicy:
         return per_byte < GAIN / self.link_Bps
 
     def note_link(self, delivery_Bps: float, app_limited: bool) -> None:
-        """A delivery-rate sample of the link. One the sender limited (it had nothing queued)
-        is taken only while there is no other: a short burst passes a shaped link (its token
-        bucket) at line rate, so such samples overstate what the link sustains."""
-        if delivery_Bps <= 0 or (app_limited and self.link_Bps is not None):
+        """A delivery-rate sample of the link; the estimate is the median of the last
+        ``_SAMPLES``, as a burst through a shaped link's token bucket reads at line rate. One
+        the sender limited (it had nothing queued) counts only while there is no other."""
+        if delivery_Bps <= 0 or (app_limited and self._samples):
             return
-        self.link_Bps = _blend(self.link_Bps, delivery_Bps)
+        if self._samples and self._samples[-1][1]:  # the lone sender-limited sample makes way
+            self._samples.clear()
+        self._samples.append((delivery_Bps, app_limited))
+        self.link_Bps = statistics.median(rate for rate, _ in self._samples)
 
     def note_encode(self, raw: int, wire: int, seconds: float) -> None:
         """One framed message sent: its payload bytes, bytes on the wire, seconds coding."""
