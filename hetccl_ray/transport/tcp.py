@@ -182,7 +182,7 @@ class _Outgoing:
             return
         if self.framed:
             link.policy.note_encode(self.coding.raw, self.coding.wire, self.coding.seconds)
-        sample = delivery_rate(link.sock)
+        sample = delivery_rate(link.sock) if self.moved >= FRAME_BYTES else None  # a short one's reads low
         if sample is not None:
             link.policy.note_link(*sample)
 
