@@ -1,14 +1,14 @@
 """When a border link compresses: measured per link, decided per message.
 
 ``compress`` = ``"on"`` frames every float payload to a peer in another island, ``"off"``
-none, ``"auto"`` those of at least ``MIN_BYTES`` when it saves time: the link's delivery rate R (bytes/s the network takes, from the kernel's TCP
-estimate) against the codec's measured ratio r and speeds (encode E, decode D, bytes of
-input per second). Chunks are pipelined, so a compressed message costs about
-max(r / R, 1 / E, 1 / D) seconds per byte against 1 / R raw; auto compresses when that is
-below ``GAIN`` / R. The first eligible message is compressed to measure the codec, and
-while raw, every ``REPROBE``-th one is again, so a change of data is seen.
+none, ``"auto"`` those of at least ``MIN_BYTES`` when it saves time: the link's delivery
+rate R (bytes/s the network takes: the median of the kernel's TCP estimates) against the
+codec's measured ratio r and speeds (encode E, decode D, bytes of input per second).
+Chunks are pipelined, so a compressed message costs about max(r / R, 1 / E, 1 / D)
+seconds per byte against 1 / R raw; auto compresses when that is below ``GAIN`` / R. The
+first eligible message is compressed to measure the codec, and while raw, every
+``REPROBE``-th one is again, so a change of data is seen.
 """
-
 from __future__ import annotations
 
 import statistics
