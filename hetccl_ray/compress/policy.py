@@ -9,6 +9,7 @@ seconds per byte against 1 / R raw; auto compresses when that is below ``GAIN`` 
 first eligible message is compressed to measure the codec, and while raw, every
 ``REPROBE``-th one is again, so a change of data is seen.
 """
+
 from __future__ import annotations
 
 import statistics
