@@ -33,21 +33,13 @@ class RoutedBorder:
     def rejected(self) -> int:
         return self.default.rejected
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(b.bytes_sent for b in self._borders())
+    def _total(self, counter: str) -> int:
+        return sum(getattr(b, counter) for b in self._borders())
 
-    @property
-    def bytes_received(self) -> int:
-        return sum(b.bytes_received for b in self._borders())
-
-    @property
-    def wire_bytes_sent(self) -> int:
-        return sum(b.wire_bytes_sent for b in self._borders())
-
-    @property
-    def wire_bytes_received(self) -> int:
-        return sum(b.wire_bytes_received for b in self._borders())
+    bytes_sent = property(lambda self: self._total("bytes_sent"))
+    bytes_received = property(lambda self: self._total("bytes_received"))
+    wire_bytes_sent = property(lambda self: self._total("wire_bytes_sent"))  # fewer where compressed
+    wire_bytes_received = property(lambda self: self._total("wire_bytes_received"))
 
     def compression(self) -> dict[int, dict]:
         """Each compressing link's choice and estimates, by peer (TCP links only)."""
