@@ -103,11 +103,11 @@ def layout_for(dtype: torch.dtype) -> Optional[Layout]:
     return _LAYOUTS.get(dtype)
 
 
-def entropy_bytes(coded: Array, every: int = 8) -> float:
-    """Bytes an ideal entropy coder needs for the plane ``coded``, from the histogram of every
-    ``every``-th byte (computed where the plane lies), so a plane that will not shrink is not
-    coded at all."""
-    sample = coded[::every]
+def entropy_bytes(coded: Array, sample_bytes: int = 16384) -> float:
+    """Bytes an ideal entropy coder needs for the plane ``coded``, from the histogram of its
+    first ``sample_bytes`` (computed where the plane lies), so a plane that will not shrink
+    is not coded at all."""
+    sample = coded[:sample_bytes]
     if isinstance(sample, np.ndarray):
         counts = np.bincount(sample, minlength=256)
     else:
