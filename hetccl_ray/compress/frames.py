@@ -29,7 +29,7 @@ import zstandard
 
 from hetccl_ray.compress.planes import Layout, array, entropy_bytes
 
-FRAME_BYTES = 1 << 20
+FRAME_BYTES = 256 << 10
 STORED, ZSTD = 1, 2  # how a frame's exponent plane travels
 _HEAD = struct.Struct("!BII")  # codec, raw bytes of the chunk, crc32 of the planes
 _CODED = struct.Struct("!I")  # bytes of the coded exponent plane

@@ -47,6 +47,7 @@ _HANDSHAKE_TIMEOUT_S = 5.0
 _POLL_S = 0.05
 _TCP_INFO = struct.Struct("=8xQ")  # struct tcp_info: tcpi_delivery_rate is the u64 at byte 160
 _TCP_INFO_AT = 160 - 8
+_SAMPLE_BYTES = 1 << 20  # messages after which the link's delivery rate is sampled
 
 
 def delivery_rate(sock: socket.socket) -> Optional[tuple[float, bool]]:
@@ -182,7 +183,7 @@ class _Outgoing:
             return
         if self.framed:
             link.policy.note_encode(self.coding.raw, self.coding.wire, self.coding.seconds)
-        sample = delivery_rate(link.sock) if self.moved >= FRAME_BYTES else None  # a short one's reads low
+        sample = delivery_rate(link.sock) if self.moved >= _SAMPLE_BYTES else None  # a short one's reads low
         if sample is not None:
             link.policy.note_link(*sample)
 
