@@ -30,12 +30,12 @@ import zstandard
 from hetccl_ray.compress.planes import Layout, array, entropy_bytes
 
 FRAME_BYTES = 256 << 10
-STORED, ZSTD = 1, 2  # how a frame's exponent plane travels
+STORED, ZSTD = 1, 2  # how a frame's top-byte plane travels
 _HEAD = struct.Struct("!BII")  # codec, raw bytes of the chunk, crc32 of the planes
-_CODED = struct.Struct("!I")  # bytes of the coded exponent plane
+_CODED = struct.Struct("!I")  # bytes of the coded top-byte plane
 _ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(1, window_log=17, min_match=7, hash_log=6,
                                                               search_log=1, write_checksum=1)
-_WORTH_CODING = 0.9  # code the exponent plane only if its entropy says it shrinks below this
+_WORTH_CODING = 0.9  # code the top-byte plane only if its entropy says it shrinks below this
 
 
 class FrameError(ValueError):
@@ -49,13 +49,11 @@ class CodecStats:
     raw: int = 0
     wire: int = 0
     seconds: float = 0.0
-    frames: int = 0
 
     def add(self, raw: int, wire: int, seconds: float) -> None:
         self.raw += raw
         self.wire += wire
         self.seconds += seconds
-        self.frames += 1
 
 
 def _host(plane: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -110,7 +108,7 @@ class Encoder:
 
     def frames(self, buf: torch.Tensor, layout: Layout, stats: CodecStats) -> Iterator[memoryview]:
         """The framed bytes of the contiguous tensor ``buf``: a frame's head and raw plane,
-        then its coded exponent plane, frame after frame, coded as they are asked for (what
+        then its coded top-byte plane, frame after frame, coded as they are asked for (what
         that cost is added to ``stats``)."""
         flat = buf.reshape(-1).view(torch.uint8)
         key = (layout, flat.device)
@@ -133,7 +131,7 @@ class Encoder:
             started = time.perf_counter()
             body = self._zstd.compress(_bytes(coded)) if worth else _bytes(coded)
             stats.add(raw.numel(), len(head) + rest.numel() + _CODED.size + len(body),
-                           split_s + time.perf_counter() - started)
+                      split_s + time.perf_counter() - started)
             yield memoryview(_CODED.pack(len(body)))
             yield memoryview(body)
 
@@ -156,9 +154,9 @@ class Decoder:
         try:
             out = self._zstd.decompress(body, max_output_size=n)
         except zstandard.ZstdError as exc:
-            raise FrameError(f"exponent plane does not decode: {exc}") from None
+            raise FrameError(f"top-byte plane does not decode: {exc}") from None
         if len(out) != n:
-            raise FrameError(f"exponent plane decodes to {len(out)} bytes, expected {n}")
+            raise FrameError(f"top-byte plane decodes to {len(out)} bytes, expected {n}")
         return out
 
 
