@@ -35,16 +35,17 @@ def island_for(
     """The island of one rank, by the design's order of precedence.
 
     ``override`` (group option or ``HETCCL_ISLAND``), then the node label
-    ``hetccl.io/island``, then the node's accelerator label, then the vendor of the local
-    tensor library (``"nvidia"``/``"amd"``), else ``"cpu"``.
+    ``hetccl.io/island``, then, for a rank that drives an accelerator (``local_vendor``),
+    the node's accelerator label or else that vendor; a rank without one is ``"cpu"``
+    even on a GPU node (its Gloo island must not wait for the node's NCCL ranks).
     """
     for candidate in (override, node_labels.get(ISLAND_LABEL)):
         if candidate:
             return str(candidate)
+    if local_vendor is None:
+        return "cpu"
     accelerator = node_labels.get(ACCELERATOR_LABEL)
-    if accelerator:
-        return vendor_of_accelerator(accelerator)
-    return local_vendor or "cpu"
+    return vendor_of_accelerator(accelerator) if accelerator else local_vendor
 
 
 @dataclass(frozen=True)

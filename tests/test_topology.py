@@ -9,8 +9,10 @@ def test_precedence():
     labels = {"hetccl.io/island": "east", "ray.io/accelerator-type": "A100"}
     assert island_for("forced", labels, "amd") == "forced"
     assert island_for(None, labels, "amd") == "east"
-    assert island_for(None, {"ray.io/accelerator-type": "A100"}, None) == "nvidia"
-    assert island_for(None, {"ray.io/accelerator-type": "AMD-Instinct-MI300X-OAM"}, None) == "amd"
+    assert island_for(None, {"ray.io/accelerator-type": "A100"}, "nvidia") == "nvidia"
+    assert island_for(None, {"ray.io/accelerator-type": "AMD-Instinct-MI300X-OAM"}, "amd") == "amd"
+    # a CPU rank on a GPU node is in the cpu island, not the node's accelerator island
+    assert island_for(None, {"ray.io/accelerator-type": "A100"}, None) == "cpu"
     assert island_for(None, {}, "amd") == "amd"
     assert island_for(None, {}, None) == "cpu"
 

@@ -33,6 +33,25 @@ def test_ddp_matches_single_process_and_gloo():
             torch.testing.assert_close(ours, theirs, **TOL)
 
 
+def test_ddp_with_an_island_on_the_emulated_device_matches_single_process():
+    """The first island's ranks hold emulated device memory (late, stream-ordered work)."""
+    hetccl = w.run(w.ddp, ISLANDS, "hetccl", emulated=(0, 1))
+    reference = w.single_process_reference(len(ISLANDS))
+    for rank in range(len(ISLANDS)):
+        for ours, ref in zip(hetccl[rank], reference):
+            torch.testing.assert_close(ours, ref, **TOL)
+
+
+def test_work_wait_orders_the_stream_and_future_means_data_is_there():
+    world = len(ISLANDS)
+    results = w.run(w.stream_ordered, ISLANDS, "hetccl", emulated=(0, 1))
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out["wait"], torch.full((6,), float(sum(range(1, world + 1)))))
+        torch.testing.assert_close(out["future"], torch.full((6,), float(sum(range(10, 10 + world))) / world))
+        expect = sum(torch.arange(world * 2, dtype=torch.float32) + r for r in range(world))[2 * rank:2 * rank + 2]
+        torch.testing.assert_close(out["reduce_scatter_tensor"], expect)
+
+
 def test_fsdp_matches_gloo():
     hetccl = w.run(w.fsdp, ISLANDS, "hetccl")
     gloo = w.run(w.fsdp, ISLANDS, "gloo")

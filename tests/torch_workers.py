@@ -6,6 +6,7 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -169,8 +170,46 @@ def exchanges(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, island: str, queue) -> None:
+def stream_ordered(rank: int, world: int) -> dict[str, Any]:
+    """Async ops on the emulated device under a side stream: inputs written and results read
+    by late device work; ``wait()`` orders the stream, ``get_future()`` means the data is there."""
+    from hetccl_ray import devices
+
+    emu = devices.emulated()
+    out: dict[str, Any] = {}
+    stream = emu.new_stream() if emu else None
+    launch = (lambda fn, *a: emu.launch(None, fn, *a)) if emu else (lambda fn, *a: fn(*a))
+    with emu.using(stream) if emu else _nothing():
+        x, y = torch.zeros(6), torch.zeros(6)
+        launch(x.fill_, float(rank + 1))
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        launch(lambda: out.__setitem__("wait", x.clone()))
+        launch(y.fill_, float(rank + 10))
+        future = dist.all_reduce(y, op=dist.ReduceOp.AVG, async_op=True).get_future()
+        future.wait()
+        out["future"] = y.clone()  # the host reads at once: the future said the data is there
+        rows = torch.zeros(world * 2)
+        launch(rows.copy_, torch.arange(world * 2, dtype=torch.float32) + rank)
+        piece = torch.zeros(2)
+        dist.reduce_scatter_tensor(piece, rows)
+        launch(lambda: out.__setitem__("reduce_scatter_tensor", piece.clone()))
+    if emu:
+        emu.host_wait(stream, time.monotonic() + 60, "test reads")
+    return out
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, island: str, queue,
+               emulated: bool = False) -> None:
     os.environ["HETCCL_ISLAND"] = island
+    if emulated:  # this rank's tensors are emulated device memory (devices.py's FAKE)
+        os.environ["HETCCL_EMULATED_DEVICE"] = "0.002"
     import hetccl_ray  # noqa: F401 - registers the "hetccl" torch backend
 
     try:
@@ -184,14 +223,15 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, isl
         queue.put((rank, RuntimeError(f"{exc!r}\n{traceback.format_exc()}")))
 
 
-def run(fn: Callable, islands: list[str], backend: str, timeout_s: float = 180) -> list:
-    """``fn(rank, world)`` in one spawned process per rank, on ``backend``; results by rank."""
+def run(fn: Callable, islands: list[str], backend: str, timeout_s: float = 180, emulated: tuple = ()) -> list:
+    """``fn(rank, world)`` in one spawned process per rank, on ``backend``; results by rank
+    (ranks in ``emulated`` on the emulated stream-ordered device)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, len(islands), port, backend, island, queue))
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, len(islands), port, backend, island, queue, r in emulated))
              for r, island in enumerate(islands)]
     for p in procs:
         p.start()

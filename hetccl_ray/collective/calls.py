@@ -1,17 +1,20 @@
 """What one rank called, as a row of small integers that every rank compares before data moves.
 
 A mismatched call (another op, dtype, element count, root or reduce op, or a rank one op
-ahead) turns into an error naming the disagreeing ranks on every rank, instead of a hang
+ahead; or ranks of one island on different device classes, whose vendor libraries would
+wait for each other) turns into an error naming the disagreeing ranks on every rank, instead of a hang
 or silently wrong data. Pure: imports no Ray.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional, Sequence
 
 import torch
+
+from hetccl_ray.devices import KINDS
 
 from hetccl_ray.collective.reduction import REDUCE_OPS
 from hetccl_ray.collective.tensors import SUPPORTED_DTYPES, dtype_code
@@ -20,7 +23,8 @@ OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "barrie
        "gather", "scatter")
 OP_CODES = {name: code for code, name in enumerate(OPS, start=1)}
 OP_CODES["recv"] = OP_CODES["send"]  # the two ends of one message carry the same tag
-ROW_WIDTH = 6
+ROW_WIDTH = 7
+_DEVICE = 6  # the device class column (devices.KINDS): islands may differ, ranks of one island not
 
 
 @dataclass(frozen=True)
@@ -33,15 +37,17 @@ class Call:
     root: int = -1
     reduce: str = ""
     seq: int = 0
+    device: int = 0  # devices.KINDS index of the buffers' device class
 
     def encode(self) -> list[int]:
         reduce = REDUCE_OPS.index(self.reduce) + 1 if self.reduce else 0
-        return [OP_CODES[self.op], self.seq, dtype_code(self.dtype), self.numel, self.root, reduce]
+        return [OP_CODES[self.op], self.seq, dtype_code(self.dtype), self.numel, self.root, reduce, self.device]
 
     @classmethod
     def decode(cls, row: Sequence[int]) -> "Call":
-        op, seq, dtype, numel, root, reduce = (int(v) for v in row)
-        return cls(OPS[op - 1], SUPPORTED_DTYPES[dtype], numel, root, REDUCE_OPS[reduce - 1] if reduce else "", seq)
+        op, seq, dtype, numel, root, reduce, device = (int(v) for v in row)
+        return cls(OPS[op - 1], SUPPORTED_DTYPES[dtype], numel, root, REDUCE_OPS[reduce - 1] if reduce else "", seq,
+                   device)
 
     def __str__(self) -> str:
         unit = "blocks" if self.op == "alltoall" else "elements"  # its block sizes are compared apart
@@ -50,15 +56,30 @@ class Call:
             parts.append(f"root {self.root}")
         if self.reduce:
             parts.append(self.reduce)
+        if self.device:
+            parts.append(f"on {KINDS[self.device]}")
         return f"{self.op} #{self.seq}({', '.join(parts)})"
 
 
-def disagreement(calls: Sequence[Call]) -> Optional[str]:
-    """None when every rank made the same call; else which ranks made which call."""
-    ranks_by_call: dict[Call, list[int]] = defaultdict(list)
-    for rank, call in enumerate(calls):
-        ranks_by_call[call].append(rank)
-    if len(ranks_by_call) == 1:
+def disagreement(calls: Sequence[Call], islands: Iterable[Sequence[int]] = ()) -> Optional[str]:
+    """None when every rank made the same call (up to the device class, which must agree only
+    inside each island of ``islands``, rank lists); else which ranks made which call."""
+    for ranks in islands:
+        if len({calls[r].device for r in ranks}) > 1:
+            return _named({r: calls[r] for r in ranks})
+    if len({replace(call, device=0) for call in calls}) == 1:
         return None
+    return _named(dict(enumerate(calls)))
+
+
+def _named(calls: dict[int, Call]) -> str:
+    ranks_by_call: dict[Call, list[int]] = defaultdict(list)
+    for rank, call in calls.items():
+        ranks_by_call[call].append(rank)
     ordered = sorted(ranks_by_call.items(), key=lambda item: (-len(item[1]), item[1]))
     return "; ".join(f"ranks {ranks} called {call}" for call, ranks in ordered)
+
+
+def all_host(rows: Iterable[Sequence[int]]) -> bool:
+    """Whether every row's buffers are host memory (device class cpu)."""
+    return all(row[_DEVICE] == 0 for row in rows)

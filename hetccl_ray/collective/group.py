@@ -18,7 +18,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 import torch
@@ -27,6 +27,7 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, BarrierOptions, BroadcastOptions,
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
+from hetccl_ray import devices
 from hetccl_ray.collective import costs, plans, tree
 from hetccl_ray.collective.calls import OP_CODES, Call
 from hetccl_ray.collective.island import IslandComm, make_island
@@ -50,16 +51,6 @@ BACKEND = "HETCCL"
 _RAY_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "product", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 _PROGRESS_PERIOD_S = 0.1
 _PROBE_ROUNDS, _PROBE_BYTES = 5, (64 << 10, 1 << 20)  # formation's timed rounds for the cost model
-
-
-def _local_vendor() -> Optional[str]:
-    """The vendor of this process's tensor library, if it drives a GPU."""
-    if getattr(torch.version, "hip", None):
-        return "amd"
-    try:
-        return "nvidia" if torch.cuda.is_available() else None
-    except RuntimeError:
-        return None
 
 
 def _generation(group_name: str) -> str:
@@ -140,6 +131,7 @@ class HetCCLGroup(BaseGroup):
         self._scratch = plans.ScratchPool()
         self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-pipeline-{rank}")
         self._islands: dict[str, IslandComm] = {}
+        self._streams: dict[devices.Device, devices.StreamLike] = {}
         self._sent_by_op: dict[str, int] = defaultdict(int)
         self.last_op_bytes_sent = 0
         deadline = time.monotonic() + self.options.timeout_s
@@ -156,7 +148,7 @@ class HetCCLGroup(BaseGroup):
         override = self.options.islands.get(rank) or os.environ.get("HETCCL_ISLAND")
         found = (verbs.discover() if self.options.transport != "tcp"
                  else verbs.Discovery((), "transport='tcp' was asked for"))
-        record = {"island": island_for(override, labels, _local_vendor()), "host": host,
+        record = {"island": island_for(override, labels, devices.local_accelerator()), "host": host,
                   "port": self.border.address[1], "world_size": world_size, "rdma": found.to_record()}
         if rank == 0:
             record.update(store_port=getattr(self._store, "port", 0), secret=secrets.token_hex(32))
@@ -185,7 +177,7 @@ class HetCCLGroup(BaseGroup):
             raise
         self._store_address = (records[0]["host"], records[0]["store_port"])
         self._progress = _Progress(self._rendezvous, rank)
-        self._island_for(torch.device("cpu"))
+        self._island_for(devices.HOST)
         self._calibrate()
         logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
 
@@ -195,6 +187,7 @@ class HetCCLGroup(BaseGroup):
         which rank 0 measures and broadcasts so that every rank picks the same plans."""
         self.costs: Optional[costs.LinkCosts] = None
         self._probe_bytes = (0, 0, 0, 0)
+        self._probe_messages = 0
         if self.options.small_bytes is not None or self.world_size == 1:
             self.small_bytes = dict.fromkeys(costs.OPS, self.options.small_bytes or 0)
             return
@@ -205,12 +198,14 @@ class HetCCLGroup(BaseGroup):
         measured = costs.measure(hops, moves, self.topology)
         agreed = torch.tensor([measured.hop_s, measured.bytes_per_s], dtype=torch.float64)
         self.broadcast(agreed)
+        devices.synchronize(agreed, self.options.timeout_s)  # an emulated device lands it later
         self.costs = costs.LinkCosts(*agreed.tolist())
         self.small_bytes = costs.thresholds(self.topology, self.costs)
         # the probes are not the user's ops: numbering and counters start after them (every
         # message of theirs was received in order before a rank's next op can arrive)
         self._seq = self._progress.seq = 0
         self._sent_by_op.clear()
+        self._probe_messages = self.border.messages_sent
         self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received, self.border.wire_bytes_sent,
                              self.border.wire_bytes_received)
 
@@ -251,7 +246,8 @@ class HetCCLGroup(BaseGroup):
                 self.transports[peer] = choose(self.options.transport, self.rank, found, peer, theirs)
         rdma_peers = sorted(peer for peer, choice in self.transports.items() if choice.transport == "rdma")
         if rdma_peers:
-            rdma = RdmaBorder(self.rank, verbs.PyverbsNic(found.ports[0]), self._rendezvous,
+            port = verbs.pick_port(found.ports, self.topology.local_rank(self.rank), devices.accelerator_numa_node())
+            rdma = RdmaBorder(self.rank, verbs.PyverbsNic(port), self._rendezvous,
                               timeout_s=max(deadline - time.monotonic(), 1.0))
             try:
                 rdma.connect(rdma_peers)
@@ -272,21 +268,23 @@ class HetCCLGroup(BaseGroup):
             return {}
         return {peer: self.transports[peer] for peer in self.topology.lane_peers(lane) if peer != self.rank}
 
-    def _make_island(self, device_type: str) -> IslandComm:
-        island = self.island
-        if island.size == 1:  # a lone rank needs no store connection
-            return make_island(device_type, None, 0, 1, self.options.timeout_s)
-        store = self._store or dist.TCPStore(*self._store_address, None, False,
-                                             timeout=datetime.timedelta(seconds=self.options.timeout_s))
-        self._store = store
-        prefix = f"{self._rendezvous.prefix}{island.name}/{device_type}"
-        return make_island(device_type, dist.PrefixStore(prefix, store), self.topology.local_rank(self.rank),
-                           island.size, self.options.timeout_s, self.border.address[0])
-
-    def _island_for(self, device: torch.device) -> IslandComm:
-        if device.type not in self._islands:
-            self._islands[device.type] = self._make_island(device.type)
-        return self._islands[device.type]
+    def _island_for(self, device: devices.Device, tensor: Optional[torch.Tensor] = None) -> IslandComm:
+        """This rank's island communicator for buffers on ``device`` (made on first use: every
+        island rank makes it at the same op, since ranks of one island agree on the device)."""
+        if device.kind not in self._islands:
+            island = self.island
+            if island.size == 1:  # a lone rank needs no store connection
+                self._islands[device.kind] = make_island(device, None, 0, 1, self.options.timeout_s)
+            else:
+                store = self._store or dist.TCPStore(*self._store_address, None, False,
+                                                     timeout=datetime.timedelta(seconds=self.options.timeout_s))
+                self._store = store
+                prefix = f"{self._rendezvous.prefix}{island.name}/{device.kind}"
+                self._islands[device.kind] = make_island(
+                    device, dist.PrefixStore(prefix, store), self.topology.local_rank(self.rank), island.size,
+                    self.options.timeout_s, self.border.address[0],
+                    tensor.device if tensor is not None and tensor.device.type != "cpu" else None)
+        return self._islands[device.kind]
 
     def border_stats(self) -> dict[str, Any]:
         """Bytes this rank sent/received over the border, in all and per op, and on the wire
@@ -299,26 +297,43 @@ class HetCCLGroup(BaseGroup):
                 "wire_bytes_received": self.border.wire_bytes_received - wire_received,
                 "compression": self.border.compression(),
                 "last_op_bytes_sent": self.last_op_bytes_sent, "per_op": dict(self._sent_by_op),
+                "messages_sent": self.border.messages_sent - self._probe_messages,
                 "rejected_connections": self.border.rejected,
                 "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()},
                 "gpu_memory": verbs.gpu_memory_path()}
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
-    def _run(self, call: Call, device: torch.device, body: Optional[Callable[[plans.PlanContext], Any]],
-             small: Optional[Callable[[plans.PlanContext, Call], Optional[str]]] = None,
-             peer: Optional[int] = None, check: Optional[Callable[[plans.PlanContext, Call], Optional[str]]] = None
-             ) -> None:
-        """Run one op under the group's sequence number, deadline and error state.
+    def _run(self, call: Call, tensor: Optional[torch.Tensor], body: Optional[Callable[[plans.PlanContext], Any]],
+             small: Optional[Callable[..., Optional[str]]] = None, peer: Optional[int] = None,
+             check: Optional[Callable[[plans.PlanContext, Call], Optional[str]]] = None,
+             staged: Sequence[torch.Tensor] = (), before: Optional[Callable[[], None]] = None,
+             after: Optional[Callable[[], None]] = None) -> None:
+        """Run one op under the group's sequence number, deadline, error state and stream order.
 
-        A collective on a CPU buffer up to the small-message threshold runs ``small`` (one
-        round of tree.py, whose messages also carry every rank's call); a larger one first
-        runs that round with no data (unless ``check_calls`` is off), then its plan ``body``.
-        Either way a rank that called something else is named on every rank before any
-        user buffer is written, and the group stays usable. A barrier is the round itself.
-        ``check`` replaces that round for ops that must agree on more than the call (all-to-all's
-        block sizes); it always runs.
+        Which plan runs is decided from what every rank knows alike (the call's size, the
+        group's measured thresholds and topology), never from the local tensor's device, so a
+        group of GPU and CPU islands always takes one plan:
+
+        - a collective up to the small-message threshold runs ``small(ctx, call, *staged)``
+          (one round of tree.py, whose messages also carry every rank's call); device
+          buffers in ``staged`` go through host memory for it;
+        - a group of one island on device tensors runs the vendor op (``body``) on the
+          stream, with no host round (its calls are checked only with the ``strict`` option);
+        - else the rows-only round (unless ``check_calls`` is off), then the plan ``body``.
+
+        A rank that called something else (or ranks of one island on different device
+        classes) is named on every rank before any user buffer is written, and the group
+        stays usable. ``check`` replaces the rows round for ops that must agree on more than
+        the call (all-to-all's block sizes); it always runs. ``before``/``after`` are device
+        work around the op (staging into and out of scratch buffers).
+
+        Device buffers (devices.py): the op's side stream waits for the caller's current
+        stream at entry, device work goes on the side stream, and at exit the caller's
+        stream waits for the op: the host returns without waiting for the device.
         """
+        device = devices.of(tensor) if tensor is not None else devices.HOST
+        call = replace(call, device=device.code)
         with self._lock:
             if self._broken is not None:
                 raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
@@ -331,32 +346,82 @@ class HetCCLGroup(BaseGroup):
                 self._p2p_seq[call.op, peer] += 1
                 seq = self._p2p_seq[call.op, peer]
             where = f"{call.op} #{seq} in group '{self.group_name}' on rank {self.rank}"
-            before = self.border.bytes_sent
-            ctx = plans.PlanContext(self.topology, self.rank, self._island_for(device), self.border,
+            before_bytes = self.border.bytes_sent
+            caller, stream = device.current_stream(), self._stream_of(device)
+            if stream is not None:
+                stream.wait(caller.record())
+            ctx = plans.PlanContext(self.topology, self.rank,
+                                    plans.LazyIsland(lambda: self._island_for(device, tensor)), self.border,
                                     Tag(OP_CODES[call.op], seq, dtype_code(call.dtype)),
                                     time.monotonic() + self.options.timeout_s, self._scratch, self._pipeline,
-                                    self.options.piece_bytes, self.border.default)
-            problem = None
+                                    self.options.piece_bytes, self.border.default, device, stream)
             try:
-                if peer is not None or self.world_size == 1:
-                    if body is not None and call.numel:
-                        body(ctx)
-                elif small is not None and device.type == "cpu" and self._small(call):
-                    problem = small(ctx, replace(call, seq=seq))
-                else:
-                    if check is not None or self.options.check_calls or body is None:
-                        problem = (check or tree.check)(ctx, replace(call, seq=seq))
-                    if problem is None and body is not None and call.numel:
-                        body(ctx)
+                with device.using(stream):
+                    problem = self._dispatch(ctx, call, seq, body, small, peer, check, staged, before, after)
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
                 raise self._broken from exc
             finally:
-                self.last_op_bytes_sent = self.border.bytes_sent - before
+                self.last_op_bytes_sent = self.border.bytes_sent - before_bytes
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
+                if stream is not None:
+                    caller.wait(stream.record())
             if problem is not None:  # every rank saw every call and no user buffer changed: still usable
                 raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
+
+    def _dispatch(self, ctx: plans.PlanContext, call: Call, seq: int, body: Optional[Callable], small: Optional[Callable],
+                  peer: Optional[int], check: Optional[Callable], staged: Sequence[torch.Tensor],
+                  before: Optional[Callable], after: Optional[Callable]) -> Optional[str]:
+        """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
+        problem = None
+        if before is not None:
+            ctx.launch(before)
+        if peer is not None or self.world_size == 1:
+            if body is not None and call.numel:
+                body(ctx)
+        elif self._fast_path(ctx.device) and check is None:
+            if body is not None and call.numel:
+                body(ctx)
+        elif small is not None and self._small(call):
+            problem = self._staged(ctx, small, replace(call, seq=seq), staged)
+        else:
+            if check is not None or self.options.check_calls or body is None:
+                problem = (check or tree.check)(ctx, replace(call, seq=seq))
+            if problem is None and body is not None and call.numel:
+                body(ctx)
+        if problem is None and after is not None:
+            ctx.launch(after)
+        return problem
+
+    def _fast_path(self, device: devices.Device) -> bool:
+        """A group of one island on device buffers: the vendor op alone, as NCCL would run it."""
+        return len(self.topology.islands) == 1 and not device.host and not self.options.strict
+
+    def _stream_of(self, device: devices.Device) -> Optional[devices.StreamLike]:
+        """The group's side stream on ``device`` (None for host memory)."""
+        if device.host:
+            return None
+        if device not in self._streams:
+            self._streams[device] = device.new_stream()
+        return self._streams[device]
+
+    def _staged(self, ctx: plans.PlanContext, small: Callable[..., Optional[str]], call: Call,
+                staged: Sequence[torch.Tensor]) -> Optional[str]:
+        """The small round on host copies of device buffers (as is for host ones): wait for the
+        stream, copy down, run the round, launch the copies back up."""
+        if ctx.device.host:
+            return small(ctx, call, *staged)
+        ctx.host_wait()
+        hosts = [self._scratch.host(("staged", i), t, ctx.device) for i, t in enumerate(staged)]
+        with ctx.device.using(ctx.stream):
+            for host, t in zip(hosts, staged):
+                host.copy_(t)
+        problem = small(ctx, call, *hosts)
+        if problem is None:
+            for host, t in zip(hosts, staged):
+                ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)
+        return problem
 
     def _small(self, call: Call) -> bool:
         """Whether a call goes by the small-message round: its buffer (nccl-tests' size) is at
@@ -420,29 +485,29 @@ class HetCCLGroup(BaseGroup):
     def allreduce(self, tensor: Any, allreduce_options: Any = AllReduceOptions()) -> None:
         x = Operand(self._one(tensor, "allreduce"))
         op = self._reduce_op(allreduce_options)
-        self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat.device,
-                  lambda ctx: plans.allreduce(ctx, x.flat, op), lambda ctx, c: tree.allreduce(ctx, c, x.flat, op))
-        x.write_back()
+        self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat,
+                  lambda ctx: plans.allreduce(ctx, x.flat, op), lambda ctx, c, buf: tree.allreduce(ctx, c, buf, op),
+                  staged=[x.flat], after=x.write_back)
 
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
-        self._run(Call("barrier", torch.uint8, 0), torch.device("cpu"), None)
+        self._run(Call("barrier", torch.uint8, 0), None, None)
 
     def reduce(self, tensor: Any, reduce_options: Any = ReduceOptions()) -> None:
         x = Operand(self._one(tensor, "reduce"))
         root = self._rank_arg(reduce_options.root_rank, "reduce root")
         op = self._reduce_op(reduce_options)
-        work = x.flat if self.rank == root else x.flat.clone()
-        self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat.device,
-                  lambda ctx: plans.reduce(ctx, work, root, op), lambda ctx, c: tree.reduce(ctx, c, work, root, op))
-        if self.rank == root:
-            x.write_back()
+        work = x.flat if self.rank == root else self._scratch.get("reduce", x.numel, x.flat)  # others keep theirs
+        self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat,
+                  lambda ctx: plans.reduce(ctx, work, root, op), lambda ctx, c, buf: tree.reduce(ctx, c, buf, root, op),
+                  staged=[work], before=None if work is x.flat else lambda: copy(work, x.flat),
+                  after=x.write_back if self.rank == root else None)
 
     def broadcast(self, tensor: Any, broadcast_options: Any = BroadcastOptions()) -> None:
         x = Operand(self._one(tensor, "broadcast"))
         root = self._rank_arg(broadcast_options.root_rank, "broadcast root")
-        self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat.device,
-                  lambda ctx: plans.broadcast(ctx, x.flat, root), lambda ctx, c: tree.broadcast(ctx, c, x.flat, root))
-        x.write_back()
+        self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat,
+                  lambda ctx: plans.broadcast(ctx, x.flat, root), lambda ctx, c, buf: tree.broadcast(ctx, c, buf, root),
+                  staged=[x.flat], after=x.write_back)
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
         x = Operand(self._one(tensor, "allgather input"))
@@ -450,13 +515,16 @@ class HetCCLGroup(BaseGroup):
         same_kind(x, outputs, "allgather output tensor_list")
         n, order = x.numel, self.topology.island_major_order()
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
-        slot = order.index(self.rank)
-        copy(buf[slot * n:(slot + 1) * n], x.flat)
-        self._run(Call("allgather", x.flat.dtype, n), x.flat.device, lambda ctx: plans.allgather(ctx, buf),
-                  lambda ctx, c: tree.allgather(ctx, c, buf))
-        for slot, rank in enumerate(order):
-            copy(outputs[rank].flat, buf[slot * n:(slot + 1) * n])
-            outputs[rank].write_back()
+        mine = order.index(self.rank)
+
+        def spread() -> None:
+            for slot, rank in enumerate(order):
+                copy(outputs[rank].flat, buf[slot * n:(slot + 1) * n])
+                outputs[rank].write_back()
+
+        self._run(Call("allgather", x.flat.dtype, n), x.flat, lambda ctx: plans.allgather(ctx, buf),
+                  lambda ctx, c, staged: tree.allgather(ctx, c, staged), staged=[buf],
+                  before=lambda: copy(buf[mine * n:(mine + 1) * n], x.flat), after=spread)
 
     def reducescatter(self, tensor: Any, tensor_list: Any,
                       reducescatter_options: Any = ReduceScatterOptions()) -> None:
@@ -466,12 +534,18 @@ class HetCCLGroup(BaseGroup):
         op = self._reduce_op(reducescatter_options)
         n, order = out.numel, self.topology.island_major_order()
         buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
-        for slot, rank in enumerate(order):
-            copy(buf[slot * n:(slot + 1) * n], inputs[rank].flat)
-        self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat.device,
-                  lambda ctx: copy(out.flat, plans.reducescatter(ctx, buf, op)),
-                  lambda ctx, c: tree.reducescatter(ctx, c, buf, out.flat, op))
-        out.write_back()
+
+        def lay_out() -> None:
+            for slot, rank in enumerate(order):
+                copy(buf[slot * n:(slot + 1) * n], inputs[rank].flat)
+
+        def body(ctx: plans.PlanContext) -> None:
+            mine = plans.reducescatter(ctx, buf, op)
+            ctx.launch(copy, out.flat, mine)
+
+        self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat, body,
+                  lambda ctx, c, staged, into: tree.reducescatter(ctx, c, staged, into, op), staged=[buf, out.flat],
+                  before=lay_out, after=out.write_back)
 
     # -- beyond Ray's BaseGroup: all-to-all, gather, scatter ---------------------------------------
 
@@ -481,12 +555,12 @@ class HetCCLGroup(BaseGroup):
         expects from r: a pair that disagrees is a mismatch on every rank, no data moved."""
         ins = self._per_rank_list(tensor_list_in, "alltoall tensor_list_in", nested=False)
         outs = self._per_rank_list(tensor_list_out, "alltoall tensor_list_out", nested=False)
-        self.alltoall_flat([x.flat for x in ins], [x.flat for x in outs])
-        for out in outs:
-            out.write_back()
+        self.alltoall_flat([x.flat for x in ins], [x.flat for x in outs], after=lambda: [o.write_back() for o in outs])
 
-    def alltoall_flat(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        """:meth:`alltoall` on flat contiguous tensors (views of one buffer are fine)."""
+    def alltoall_flat(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                      after: Optional[Callable[[], Any]] = None) -> None:
+        """:meth:`alltoall` on flat contiguous tensors (views of one buffer are fine); ``after``:
+        device work once the outputs are filled (writing them back into the user's tensors)."""
         same_kind(Operand(inputs[0]), [Operand(t) for t in [*inputs, *outputs]], "alltoall tensors", sizes=False)
         mine = [t.numel() for t in inputs] + [t.numel() for t in outputs]
         agreed = {"counts": [[mine[0]]]}  # a group of one: nothing to agree with
@@ -498,8 +572,8 @@ class HetCCLGroup(BaseGroup):
         if self.world_size == 1 and mine[0] != mine[1]:
             raise HetCCLInputError(f"group '{self.group_name}': alltoall sends {mine[0]} elements to rank 0 "
                                    f"but expects {mine[1]} from it")
-        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0].device,
-                  lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs), check=check)
+        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0],
+                  lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs), check=check, after=after)
 
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the
@@ -512,10 +586,8 @@ class HetCCLGroup(BaseGroup):
         counts = [[n if t == root else 0 for t in range(self.world_size)] for _ in range(self.world_size)]
         ins = [x.flat if t == root else empty for t in range(self.world_size)]
         flats = [o.flat for o in outs] or [empty] * self.world_size
-        self._run(Call("gather", x.flat.dtype, n, root), x.flat.device,
-                  lambda ctx: plans.alltoall(ctx, counts, ins, flats))
-        for out in outs:
-            out.write_back()
+        self._run(Call("gather", x.flat.dtype, n, root), x.flat,
+                  lambda ctx: plans.alltoall(ctx, counts, ins, flats), after=lambda: [o.write_back() for o in outs])
 
     def scatter(self, tensor: Any, scatter_list: Any, root: int) -> None:
         """``scatter_list[t]`` at ``root`` into rank t's ``tensor``: the all-to-all plan with
@@ -528,16 +600,15 @@ class HetCCLGroup(BaseGroup):
         counts = [[n if r == root else 0 for _ in range(self.world_size)] for r in range(self.world_size)]
         flats = [i.flat for i in ins] or [empty] * self.world_size
         outs = [x.flat if r == root else empty for r in range(self.world_size)]
-        self._run(Call("scatter", x.flat.dtype, n, root), x.flat.device,
-                  lambda ctx: plans.alltoall(ctx, counts, flats, outs))
-        x.write_back()
+        self._run(Call("scatter", x.flat.dtype, n, root), x.flat,
+                  lambda ctx: plans.alltoall(ctx, counts, flats, outs), after=x.write_back)
 
     def recv_any(self, tensor: Any) -> int:
         """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
         CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
         x = Operand(self._one(tensor, "recv from any source"))
         rdma = sorted(self.border.routes)
-        if x.flat.device.type != "cpu" or rdma:
+        if not devices.of(x.flat).host or rdma:
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
             raise HetCCLInputError(f"group '{self.group_name}': recv from any source takes CPU tensors over the "
                                    f"TCP border; here {why}; pass the source rank")
@@ -552,19 +623,19 @@ class HetCCLGroup(BaseGroup):
         self.recv(x.user, SimpleNamespace(src_rank=source))
         return source
 
-    def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> Operand:
+    def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> None:
         x = Operand(self._one(tensor, op))
         peer = self._rank_arg(peer, f"{op} peer")
         if peer == self.rank:
             raise HetCCLInputError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
-        self._run(Call(op, x.flat.dtype, x.numel), x.flat.device, lambda ctx: plan(ctx, x.flat, peer), peer=peer)
-        return x
+        self._run(Call(op, x.flat.dtype, x.numel), x.flat, lambda ctx: plan(ctx, x.flat, peer), peer=peer,
+                  after=x.write_back if op == "recv" else None)
 
     def send(self, tensor: Any, send_options: Any) -> None:
         self._p2p("send", tensor, send_options.dst_rank, plans.send)
 
     def recv(self, tensor: Any, recv_options: Any) -> None:
-        self._p2p("recv", tensor, recv_options.src_rank, plans.recv).write_back()
+        self._p2p("recv", tensor, recv_options.src_rank, plans.recv)
 
     def destroy_group(self) -> None:
         """Close the border, the island communicators and the progress thread; drop KV records."""

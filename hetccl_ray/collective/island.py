@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hetccl_ray.collective.reduction import REDUCE_OPS as _OP_NAMES, combine
+from hetccl_ray.devices import Device
+from hetccl_ray.errors import HetCCLError
 
 REDUCE_OPS = dict(zip(_OP_NAMES, (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX)))
 
@@ -140,10 +142,14 @@ class TorchIsland:
 
     def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
         owners = [r for r, count in enumerate(counts) if count]
-        if self.native and len(set(counts)) == 1:
+        if self.native:  # one grouped library call, even for uneven ranges (never ungrouped P2P)
             offset, count = ranges(counts)[self.rank]
             out = self._staging(count, buf)
-            self.pg._reduce_scatter_base(out, buf, self._opts(dist.ReduceScatterOptions, op)).wait()
+            opts = self._opts(dist.ReduceScatterOptions, op)
+            if len(set(counts)) == 1:
+                self.pg._reduce_scatter_base(out, buf, opts).wait()
+            else:
+                self.pg.reduce_scatter([out], [[buf[o:o + n] for o, n in ranges(counts)]], opts).wait()
             buf[offset:offset + count].copy_(out)
         elif len(owners) == 1:
             self.reduce(buf, owners[0], op)
@@ -181,11 +187,14 @@ class TorchIsland:
 
     def allgather(self, buf: torch.Tensor, counts: Sequence[int]) -> None:
         spans = ranges(counts)
-        if self.native and len(set(counts)) == 1:
+        if self.native:  # one grouped library call, even for uneven ranges
             offset, count = spans[self.rank]
             mine = self._staging(count, buf)
             mine.copy_(buf[offset:offset + count])
-            self.pg._allgather_base(buf, mine).wait()
+            if len(set(counts)) == 1:
+                self.pg._allgather_base(buf, mine).wait()
+            else:
+                self.pg.allgather([[buf[o:o + n] for o, n in spans]], [mine]).wait()
             return
         offset, count = spans[self.rank]
         works = [self.pg.send([buf[offset:offset + count]], peer, _AG_TAG)
@@ -240,21 +249,35 @@ def nccl_available() -> bool:
         return False
 
 
-def make_island(device_type: str, store: "Optional[dist.Store]", rank: int, size: int,
-                timeout_s: float, host: str = "") -> IslandComm:
-    """The island communicator for tensors on ``device_type`` ("cpu" or "cuda")."""
+def make_island(device: Device, store: "Optional[dist.Store]", rank: int, size: int,
+                timeout_s: float, host: str = "", device_index: Optional[torch.device] = None) -> IslandComm:
+    """The island communicator for tensors on ``device``: Gloo for host memory (and for the
+    emulated device, standing in for NCCL), else the library torch maps the device type to
+    (cuda -> NCCL/RCCL, xpu -> XCCL), bound to ``device_index`` so it connects eagerly."""
     if size == 1:
         return SoloIsland()
     timeout = datetime.timedelta(seconds=timeout_s)
-    if device_type == "cpu":
+    backend = device.island_backend
+    if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         return TorchIsland(dist.ProcessGroupGloo(store, rank, size, opts), rank, size, native=False)
-    if device_type == "cuda":
+    if backend in ("nccl", "rccl"):
         if not nccl_available():
-            raise RuntimeError("device tensors need NCCL (NVIDIA) or RCCL (AMD ROCm torch); neither is available")
+            raise HetCCLError(f"{device.kind} tensors need NCCL (NVIDIA) or RCCL (AMD ROCm torch); this torch "
+                              f"{torch.__version__} has neither on a visible device")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return TorchIsland(dist.ProcessGroupNCCL(store, rank, size, opts), rank, size, native=True)
-    raise ValueError(f"no island backend for device type {device_type!r}; supported: cpu (gloo), cuda (nccl/rccl)")
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    elif backend == "xccl" and hasattr(dist, "ProcessGroupXCCL"):
+        pg = dist.ProcessGroupXCCL(store, rank, size)
+    else:
+        raise HetCCLError(f"no island library for {device.kind} tensors: torch maps it to {backend!r}, which this "
+                          f"torch {torch.__version__} does not provide")
+    if device_index is not None:
+        pg.bound_device_id = device_index
+        connect = getattr(pg, "eager_connect_single_device", None)
+        if callable(connect):
+            connect(device_index)  # the first op would otherwise pay the communicator's setup
+    return TorchIsland(pg, rank, size, native=True)

@@ -34,7 +34,10 @@ class GroupOptions:
         count, root, reduce op) in one round of rows (tree.py) and raise on a mismatch, naming
         the ranks (``HETCCL_CHECK_CALLS=0`` saves that round; small collectives carry the rows
         in their own messages, so they are always checked).
-    small_bytes: collectives on CPU buffers up to this size (nccl-tests' size: the gathered
+    strict: also check the calls of a group of one island on device tensors, whose ops are
+        otherwise the vendor op alone on the stream (a host round per op; ``HETCCL_STRICT=1``,
+        as torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
+    small_bytes: collectives up to this size (nccl-tests' size: the gathered
         output of allgather, the input of reducescatter) take the small-message round
         (``HETCCL_SMALL_BYTES``; default: from the cost model measured at formation).
     compress: lossless compression of float payloads to other islands over TCP: "auto"
@@ -50,6 +53,7 @@ class GroupOptions:
     piece_bytes: int = field(default_factory=lambda: int(_env_float("HETCCL_PIECE_BYTES", 4 << 20)))
     transport: str = field(default_factory=lambda: os.environ.get("HETCCL_TRANSPORT") or "auto")
     check_calls: bool = field(default_factory=lambda: os.environ.get("HETCCL_CHECK_CALLS", "1") != "0")
+    strict: bool = field(default_factory=lambda: os.environ.get("HETCCL_STRICT", "0") not in ("", "0"))
     small_bytes: Optional[int] = field(default_factory=lambda: int(os.environ["HETCCL_SMALL_BYTES"])
                                        if os.environ.get("HETCCL_SMALL_BYTES") else None)
     compress: str = field(default_factory=lambda: os.environ.get("HETCCL_COMPRESS") or "auto")

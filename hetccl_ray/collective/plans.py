@@ -18,6 +18,10 @@ alltoall          what the ranks of one island send the others
 A group of one island calls the vendor op directly. Plans import no Ray.
 Buffers are flat contiguous tensors; per-rank chunks (allgather, reducescatter) are laid
 out island by island (``Topology.island_major_order``).
+
+Device tensors (devices.py): island ops and reductions are device work launched on the op's
+stream (``ctx.launch``); a border step first waits for that stream (``ctx.host_wait``), and
+until the plan launches again the host may read and write the buffers itself.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import torch
 
 from hetccl_ray.collective import routes
 from hetccl_ray.collective.island import IslandComm
+from hetccl_ray.collective.calls import all_host
 from hetccl_ray.collective.reduction import combine, copy
+from hetccl_ray.devices import HOST, Device, StreamLike
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology, split
 from hetccl_ray.transport.base import Border, Handle, Tag
@@ -45,13 +51,21 @@ class ScratchPool:
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def get(self, slot: int, n: int, like: torch.Tensor) -> torch.Tensor:
-        key = (slot, like.dtype, like.device)
+    def _grown(self, key: tuple, n: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
-            buf = torch.empty(n, dtype=like.dtype, device=like.device)
-            self._buffers[key] = buf
+            buf = self._buffers[key] = make(n)
         return buf[:n]
+
+    def get(self, slot: object, n: int, like: torch.Tensor) -> torch.Tensor:
+        """``n`` elements of ``like``'s dtype on its device."""
+        return self._grown((slot, like.dtype, like.device), n,
+                           lambda size: torch.empty(size, dtype=like.dtype, device=like.device))
+
+    def host(self, slot: object, like: torch.Tensor, device: Device) -> torch.Tensor:
+        """Host memory for a copy of ``like`` (pinned where ``device`` copies from it faster)."""
+        return self._grown(("host", slot, like.dtype), like.numel(),
+                           lambda size: device.host_buffer(max(size, 1) * like.element_size()).view(like.dtype))
 
 
 @dataclass
@@ -68,6 +82,32 @@ class PlanContext:
     pipeline: Optional[Executor] = None  # one thread: border stages overlap island stages
     piece_bytes: int = 4 << 20
     direct: Optional[Border] = None  # the TCP border to every rank: small-message rounds (tree.py)
+    device: Device = HOST  # whose memory the op's buffers are, and how work on it is ordered
+    stream: Optional[StreamLike] = None  # the op's side stream on that device
+    rows: Optional[dict[int, list[int]]] = None  # every rank's call row, once a round agreed them
+
+    def __post_init__(self) -> None:
+        self.vendor = self.island  # the island library itself; ``island`` launches on the stream
+        if not self.device.host:
+            self.island = _Launched(self.island, self)
+
+    def launch(self, fn: Callable, *args) -> None:
+        """Device work on the op's stream (runs now for host memory)."""
+        self.device.launch(self.stream, fn, *args)
+
+    def host_wait(self) -> None:
+        """Wait until the op's stream has done its launched work: the host may touch the buffers."""
+        if not self.device.host:
+            self.device.host_wait(self.stream, self.deadline, f"op {self.tag.op} #{self.tag.seq} on rank {self.rank}")
+
+    def on_stream(self, fn: Callable, *args) -> None:
+        """Run host code that may start kernels (border copies) with the op's stream current."""
+        with self.device.using(self.stream):
+            fn(*args)
+
+    def every_rank_on_host(self) -> bool:
+        """Whether every rank's buffers are host memory, from the agreed rows (False without them)."""
+        return self.rows is not None and all_host(self.rows.values())
 
     @property
     def my_island(self):
@@ -95,6 +135,7 @@ class PlanContext:
         Messages go over ``border`` (default: the op's border), in order per peer.
         """
         border = border or self.border
+        self.host_wait()  # the producing work is done, and no pending kernel still reads a buffer we fill
         handles = [border.irecv(peer, buf, self.tag) for peer, buf in recvs if buf.numel()]
         if reduce_from is not None and reduce_from[1].numel():
             handles.append(border.irecv(*reduce_from[:2], self.tag, op=reduce_from[2]))
@@ -109,6 +150,39 @@ class PlanContext:
         except HetCCLTimeoutError as exc:
             exc.waiting_for = handle.peer
             raise
+
+
+class _Launched:
+    """An island communicator whose every call is device work launched on the op's stream."""
+
+    def __init__(self, island: IslandComm, ctx: PlanContext) -> None:
+        self._island, self._ctx = island, ctx
+
+    @property
+    def rank(self) -> int:
+        return self._island.rank
+
+    @property
+    def size(self) -> int:
+        return self._island.size
+
+    def __getattr__(self, name: str) -> Callable:
+        op = getattr(self._island, name)
+        return lambda *args: self._ctx.launch(op, *args)
+
+
+class LazyIsland:
+    """An island communicator made on first use: after the call check, so ranks of one island
+    that disagree on the device are named rather than left waiting for each other's library."""
+
+    def __init__(self, make: Callable[[], IslandComm]) -> None:
+        self._make = make
+        self._island: Optional[IslandComm] = None
+
+    def __getattr__(self, name: str):
+        if self._island is None:
+            self._island = self._make()
+        return getattr(self._island, name)
 
 
 def _view(buf: torch.Tensor, span: Span) -> torch.Tensor:
@@ -143,7 +217,7 @@ def _cross_allreduce(ctx: PlanContext, seg: torch.Tensor, op: str, peers: list[i
                  recvs=[(peers[i], partial) for i, partial in zip(others[1:], partials)],
                  reduce_from=(peers[others[0]], mine, op))
     for partial in partials:
-        combine(mine, partial, op)
+        ctx.launch(combine, mine, partial, op)
     ctx.exchange(sends=[(peers[i], mine) for i in others],
                  recvs=[(peers[i], _view(seg, subs[i])) for i in others])
 
@@ -174,7 +248,7 @@ def _pipelined(ctx: PlanContext, count: int, before: Callable[[int], None], acro
     crossing: list[tuple[int, Future]] = []
     for q in range(count):
         before(q)
-        crossing.append((q, ctx.pipeline.submit(across, q)))
+        crossing.append((q, ctx.pipeline.submit(ctx.on_stream, across, q)))
         if len(crossing) > 1:
             _after_crossing(ctx, *crossing.pop(0), after)
     for done in crossing:
@@ -240,7 +314,7 @@ def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
         ctx.exchange(sends=[(peers[j], part(j, q)) for j in others],
                      recvs=[(peers[j], partial) for j, partial in zip(others, partials)])
         for partial in partials:
-            combine(mine, partial, op)
+            ctx.launch(combine, mine, partial, op)
 
     def gather(q: int) -> None:
         piece = _piece(regions[isl.index], q, count)
@@ -342,7 +416,7 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
         partials = [ctx.scratch.get(j, part.numel(), buf) for j in others]
         ctx.exchange(sends=[], recvs=[(peers[j], partial) for j, partial in zip(others, partials)])
         for partial in partials:
-            combine(part, partial, op)
+            ctx.launch(combine, part, partial, op)
 
     def gather(q: int) -> None:
         if isl.index == home:
@@ -360,11 +434,13 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     destination lane, across once per island pair and lane, scattered inside; in pieces whose
     border stage overlaps the island stages. Moves inside an island take the border's socket
     for CPU tensors, one vendor all-to-all per stage for device tensors. A CPU all-to-all
-    in which no rank sends more than ``FLAT_BYTES`` goes flat: every block straight, one hop."""
+    in which no rank sends more than ``FLAT_BYTES`` goes flat: every block straight, one hop
+    (decided from the agreed rows, so every rank routes alike in a group of mixed devices)."""
     me, topo = ctx.rank, ctx.topo
-    copy(outputs[me], inputs[me])
-    direct = ctx.direct is not None and inputs[me].device.type == "cpu"
-    flat = direct and max(sum(row) for row in counts) * inputs[me].element_size() <= FLAT_BYTES
+    ctx.launch(copy, outputs[me], inputs[me])
+    direct = ctx.direct is not None and ctx.device.host  # island moves: sockets, or the vendor's all-to-all
+    flat = (direct and ctx.every_rank_on_host()
+            and max(sum(row) for row in counts) * inputs[me].element_size() <= FLAT_BYTES)
     way = routes.route(topo, me, flat)
     offsets, total = routes.staging(way.transit(), counts)
     like = inputs[me]
@@ -385,8 +461,8 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
         sends, recvs = pieces(way.sends[stage], q, True), pieces(way.recvs[stage], q, False)
         if direct:
             _exchange_blocks(ctx, stage, sends, recvs, ctx.direct)
-        else:
-            _island_alltoall(ctx, sends, recvs, like)
+        elif ctx.my_island.size > 1:
+            ctx.launch(_island_alltoall, ctx, sends, recvs, like)
 
     _pipelined(ctx, count, lambda q: inside(routes.GATHER, q),
                lambda q: _exchange_blocks(ctx, routes.ACROSS, pieces(way.sends[routes.ACROSS], q, True),
@@ -410,6 +486,8 @@ def _exchange_blocks(ctx: PlanContext, stage: int, sends: Sequence[tuple[int, to
     """Exchange block views, one message per block, except that a peer's several blocks of at
     most ``_PACK_BYTES`` in all travel packed in one (both ends see the same blocks, so
     both decide alike)."""
+    ctx.host_wait()
+
     def packs(views: list[torch.Tensor]) -> bool:
         return len(views) > 1 and sum(v.numel() for v in views) * views[0].element_size() <= _PACK_BYTES
 
@@ -434,10 +512,8 @@ def _exchange_blocks(ctx: PlanContext, stage: int, sends: Sequence[tuple[int, to
 def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]],
                      recvs: Sequence[tuple[int, torch.Tensor]], like: torch.Tensor) -> None:
     """One stage's moves inside the island as one vendor all-to-all (every island rank calls
-    it): each peer's views packed in posting order, unpacked likewise on arrival."""
-    if ctx.my_island.size == 1:
-        return
-
+    it): each peer's views packed in posting order, unpacked likewise on arrival. Device work:
+    runs as one launch on the op's stream."""
     def by_peer(pairs: Sequence[tuple[int, torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
         ordered = sorted(pairs, key=lambda pair: ctx.topo.local_rank(pair[0]))  # stable: keeps posting order
         counts = [0] * ctx.my_island.size
@@ -449,7 +525,7 @@ def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]]
     recv_views, recv_counts = by_peer(recvs)
     packed = torch.cat(send_views) if send_views else like[:0]
     arrived = ctx.scratch.get("alltoall-island", sum(recv_counts), like)
-    ctx.island.alltoall(arrived, packed, recv_counts, send_counts)
+    ctx.vendor.alltoall(arrived, packed, recv_counts, send_counts)
     offset = 0
     for view in recv_views:
         copy(view, arrived[offset:offset + view.numel()])
@@ -460,7 +536,7 @@ def _by_island(ctx: PlanContext, buf: torch.Tensor, peer: int) -> bool:
     """Whether a message to ``peer`` goes through the island library: device tensors to an
     island peer do; CPU tensors take the border's socket (one hop, cheaper than Gloo's P2P)."""
     same = ctx.topo.island_of(peer) == ctx.my_island
-    return same and (ctx.direct is None or buf.device.type != "cpu")
+    return same and (ctx.direct is None or not ctx.device.host)
 
 
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:

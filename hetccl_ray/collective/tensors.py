@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hetccl_ray import devices
 from hetccl_ray.errors import HetCCLInputError, HetCCLTypeError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -52,13 +53,19 @@ class Operand:
         self.view = to_torch(tensor)
         self.in_place = self.view.is_contiguous() and (
             not isinstance(tensor, np.ndarray) or self.view.data_ptr() == tensor.ctypes.data)
-        self.flat = (self.view if self.in_place else self.view.contiguous()).reshape(-1)
+        if self.in_place:
+            self.flat = self.view.reshape(-1)
+        else:  # the copy is device work on the caller's stream, before the op's entry event
+            self.flat = torch.empty(self.view.shape, dtype=self.view.dtype, device=self.view.device)
+            devices.of(self.view).launch(None, self.flat.copy_, self.view)
+            self.flat = self.flat.reshape(-1)
 
     @property
     def numel(self) -> int:
         return self.flat.numel()
 
     def write_back(self) -> None:
+        """Results into the user's tensor (device work: groups launch it on the op's stream)."""
         if self.in_place:
             return
         if isinstance(self.user, np.ndarray):

@@ -4,14 +4,19 @@
 run unchanged on a mixed cluster. The c10d store torch hands the backend carries the
 rendezvous; islands come from the node labels when the process is a Ray worker, else from
 ``HETCCL_ISLAND`` or the local tensor library. Ops run in order on one thread per process
-group, so every call returns an async Work whose ``wait()`` blocks until it is done.
+group, so every call returns an async Work. For host tensors ``wait()`` blocks until the
+op is done. For device tensors (as NCCL's process group) the op is ordered after the
+caller's current stream at the call, ``wait()`` makes the waiting stream wait for the op
+(the host returns once the op is launched) and ``get_future()`` completes when the data is
+there.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Callable, Sequence
 
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 from ray.util.collective.types import ReduceOp as RayReduceOp
 
+from hetccl_ray import devices
 from hetccl_ray.collective.group import HetCCLGroup
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.tensors import Operand
@@ -41,11 +47,18 @@ def _reduce_op(opts) -> tuple[SimpleNamespace, bool]:
 
 
 class _Work(dist.Work):
-    """An op running on the process group's thread; ``wait`` raises what the op raised."""
+    """An op running on the process group's thread; ``wait`` raises what the op raised.
 
-    def __init__(self, future: torch.futures.Future) -> None:
+    ``launched`` completes when the op's host part is done (its device work launched, its
+    ``done`` event recorded); ``future`` when the data is there (the host waited for ``done``).
+    """
+
+    def __init__(self, device: devices.Device) -> None:
         super().__init__()
-        self._future = future
+        self.device = device
+        self.launched: Future = Future()
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.done: devices.EventLike | None = None
         self.returned: object = None  # what the op returned: a receive from any source, its source
 
     def _source_rank(self) -> int:
@@ -53,14 +66,18 @@ class _Work(dist.Work):
         return int(self.returned)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        self._future.wait()  # re-raises the op's exception
+        self.launched.result()  # re-raises the op's exception
+        if self.done is not None:
+            self.device.current_stream().wait(self.done)  # the waiting stream, not the host, waits
+            if not self.device.ordered_host_ops:  # host code after wait() reads it at once
+                self.future.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self.future.done()
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        return self.future
 
 
 class HetCCLProcessGroup(dist.ProcessGroup):
@@ -77,6 +94,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         self.group = HetCCLGroup(size, rank, name, store=store,
                                  options=GroupOptions(timeout_s=max(timeout.total_seconds(), 1.0)))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-c10d-{rank}")
+        self._completer = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-c10d-done-{rank}")
         self._name = name
 
     def getBackendName(self) -> str:
@@ -92,25 +110,47 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         return self._name
 
     def _async(self, result: object, fn: Callable[[], object]) -> "dist.Work":
-        future: torch.futures.Future = torch.futures.Future()
-        work = _Work(future)
+        """Run ``fn`` on the group's thread; device tensors in ``result`` order it after the
+        caller's current stream (captured now, on the calling thread)."""
+        first = next((t for t in _tensors(result) if isinstance(t, torch.Tensor)), None)
+        device = devices.of(first) if first is not None else devices.HOST
+        caller = device.current_stream()
+        work = _Work(device)
 
         def run() -> None:
             try:
-                work.returned = fn()
-                future.set_result(result)
+                with device.using(caller):
+                    work.returned = fn()
+                    work.done = caller.record() if caller is not None else None
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(exc)
+                work.launched.set_exception(exc)
+                work.future.set_exception(exc)
+                return
+            work.launched.set_result(None)
+            self._completer.submit(complete)
+
+        def complete() -> None:
+            try:
+                if work.done is not None:
+                    work.done.synchronize(time.monotonic() + self.group.options.timeout_s, "hetccl work")
+                work.future.set_result(result)
+            except BaseException as exc:  # noqa: BLE001
+                work.future.set_exception(exc)
 
         self._worker.submit(run)
         return work
+
+    @staticmethod
+    def _launch(tensor: torch.Tensor, fn: Callable, *args) -> None:
+        """Device work on the current stream (the caller's, on the group's thread)."""
+        devices.of(tensor).launch(None, fn, *args)
 
     def _allreduce_list(self, tensors: Sequence[torch.Tensor], opts) -> None:
         options, average = _reduce_op(opts)
         for tensor in tensors:
             self.group.allreduce(tensor, options)
             if average:
-                tensor.div_(self.size())
+                self._launch(tensor, tensor.div_, self.size())
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
@@ -120,12 +160,10 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllreduceCoalescedOptions()
 
         def run() -> None:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+            self._launch(flat, lambda: torch.cat([t.reshape(-1) for t in tensors], out=flat))
             self._allreduce_list([flat], opts)
-            offset = 0
-            for tensor in tensors:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+            self._launch(flat, _unflatten, flat, tensors)
         return self._async(tensors, run)
 
     def broadcast(self, tensors, opts=None):
@@ -142,7 +180,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
             for tensor in tensors:
                 self.group.reduce(tensor, options)
                 if average and self.rank() == opts.rootRank:
-                    tensor.div_(self.size())
+                    self._launch(tensor, tensor.div_, self.size())
         return self._async(tensors, run)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -161,7 +199,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         for output, inputs in pairs:
             self.group.reducescatter(output, [list(inputs)], options)
             if average:
-                output.div_(self.size())
+                self._launch(output, output.div_, self.size())
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         return self._async(output_tensors, lambda: self._reduce_scatter_list(zip(output_tensors, input_lists), opts))
@@ -197,8 +235,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         def run() -> None:
             inp, ins = self._rows(input, input_split_sizes, "input")
             out, outs = self._rows(output, output_split_sizes, "output")
-            self.group.alltoall_flat(ins, outs)
-            out.write_back()
+            self.group.alltoall_flat(ins, outs, after=out.write_back)
         return self._async(output, run)
 
     all_to_all_single = alltoall_base
@@ -238,7 +275,22 @@ class HetCCLProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True)
+        self._completer.shutdown(wait=True)
         self.group.destroy_group()
+
+
+def _tensors(result: object) -> list:
+    """The tensors of an op's result (a tensor, or lists of them, nested once)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [t for item in result or () for t in (item if isinstance(item, (list, tuple)) else [item])]
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> HetCCLProcessGroup:

@@ -107,7 +107,8 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
         wait([send(leader, shape.send_up() if up(rank) else None, rows)])
         buf, handle = receive(leader, down(rank), "down")
         wait([handle])
-        problem = _verdict(rows, topo.world_size, spilled)
+        problem = _verdict(rows, topo, spilled)
+        ctx.rows = rows
         if problem is None and shape:
             shape.land_down(buf)
             shape.finish()
@@ -126,7 +127,8 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
     wait(sends + [handle for _, handle in acrosses])
     if shape and not spilled:
         shape.land_across(list(zip(others, [buf for buf, _ in acrosses])))
-    problem = _verdict(rows, topo.world_size, spilled)
+    problem = _verdict(rows, topo, spilled)
+    ctx.rows = rows
     agreed = problem is None and shape is not None
     wait([send(m, shape.send_down(m) if agreed and down(m) else None, rows) for m in members])
     if agreed:
@@ -134,10 +136,11 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
     return problem
 
 
-def _verdict(rows: Rows, world: int, spilled: bool) -> Optional[str]:
+def _verdict(rows: Rows, topo, spilled: bool) -> Optional[str]:
     """Who called what when the ranks disagree; a size that differs although the calls agree
     would be a bug in the plans, so it is an error too."""
-    problem = disagreement([Call.decode(rows[r][:ROW_WIDTH]) for r in range(world)])
+    problem = disagreement([Call.decode(rows[r][:ROW_WIDTH]) for r in range(topo.world_size)],
+                           [island.ranks for island in topo.islands])
     if problem is None and spilled:
         raise HetCCLMismatchError("a message had another size than the agreed call implies")
     return problem

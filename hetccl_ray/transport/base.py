@@ -51,6 +51,7 @@ class ByteCounter:
     def __init__(self) -> None:
         self.bytes_sent = self.bytes_received = 0
         self.wire_bytes_sent = self.wire_bytes_received = 0
+        self.messages_sent = 0  # every message posted, to any peer (island peers too)
         self._count_lock = threading.Lock()
 
     def count(self, sent: int = 0, received: int = 0, wire_sent: Optional[int] = None,

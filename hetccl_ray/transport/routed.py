@@ -40,6 +40,7 @@ class RoutedBorder:
     bytes_received = property(lambda self: self._total("bytes_received"))
     wire_bytes_sent = property(lambda self: self._total("wire_bytes_sent"))  # fewer where compressed
     wire_bytes_received = property(lambda self: self._total("wire_bytes_received"))
+    messages_sent = property(lambda self: self._total("messages_sent"))
 
     def compression(self) -> dict[int, dict]:
         """Each compressing link's choice and estimates, by peer (TCP links only)."""

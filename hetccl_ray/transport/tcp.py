@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from hetccl_ray import devices
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameReader
 from hetccl_ray.compress.planes import layout_for
@@ -96,23 +97,26 @@ class _DrivenHandle(Handle):
         super().wait(0)
 
 
-def _staged_views(buf: torch.Tensor, slots: torch.Tensor) -> Iterator[memoryview]:
-    """A device tensor's bytes through two pinned host slots: chunk i+1 is copied while i is sent."""
+STAGING_LIMIT_S = 600.0  # bounds a device copy that never ends; the op's own wait holds its deadline
+
+
+def _staged_views(buf: torch.Tensor, slots: torch.Tensor, deadline: float) -> Iterator[memoryview]:
+    """A device tensor's bytes through two pinned host slots: chunk i+1 is copied while i is
+    sent. Copies go on the current stream of the tensor's own device (the op's stream)."""
     flat = buf.reshape(-1).view(torch.uint8)
     spans = chunks(flat.numel(), CHUNK_BYTES)
+    device = devices.of(buf)
 
-    def launch(i: int) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+    def launch(i: int) -> tuple[torch.Tensor, devices.EventLike]:
         offset, length = spans[i]
         slot = slots[i % 2, :length]
-        slot.copy_(flat[offset:offset + length], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return slot, copied
+        device.launch(None, lambda: slot.copy_(flat[offset:offset + length], non_blocking=True))
+        return slot, device.current_stream().record()
 
     pending = launch(0) if spans else None
     for i in range(len(spans)):
         slot, copied = pending
-        copied.synchronize()
+        copied.synchronize(deadline, "staging a device tensor for the TCP border")
         if i + 1 < len(spans):
             pending = launch(i + 1)
         yield memoryview(slot.numpy())
@@ -137,7 +141,7 @@ class _Outgoing:
             self.pending.append(_byte_view(buf))
             self.later = iter(())
         else:
-            self.later = _staged_views(buf, link.send_slots())
+            self.later = _staged_views(buf, link.send_slots(), time.monotonic() + STAGING_LIMIT_S)
 
     def step(self, link: "_Link") -> bool:
         """Write what the socket takes; True when the whole message is out. While the socket
@@ -432,6 +436,7 @@ class TcpBorder(ByteCounter):
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0, extra: bytes = b"") -> Handle:
         """Queue a message and write what the socket takes now; ``extra``: control bytes."""
         handle = _DrivenHandle(self, peer, "send")
+        self.messages_sent += 1
         link = self._link(peer, timeout_s)
         if link.error is not None:
             handle.finish(link.error)
