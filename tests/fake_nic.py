@@ -4,7 +4,10 @@ Queue pairs are Python objects of one process and an RDMA WRITE is a ``ctypes.me
 between registered host ranges. What a real HCA checks is checked: every local range must
 lie in a registered region (lkey), every remote range in the region of the rkey it names,
 a receive must be posted before a message or a write-with-immediate can land (held back
-until one is, as RC's RNR retry does), and one queue pair delivers in order.
+until one is, as RC's RNR retry does), and one queue pair delivers in order. With
+``delay_s``, writes are done as a real HCA does them: later, by DMA that reads the source
+only then (a batch every ``delay_s``), so a source or landing buffer reused before its
+completion shows up as corrupt data.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import collections
 import ctypes
 import itertools
 import threading
+import time
 
 import torch
 
@@ -22,14 +26,26 @@ from hetccl_ray.transport.rdma import Completion, ConnInfo, Region
 class FakeFabric:
     """What the FAKE NICs of one test share: queue pairs by number, regions by key."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         self.lock = threading.RLock()
         self.qps: dict[int, "FakeQueuePair"] = {}
         self.regions: dict[int, Region] = {}
         self.ids = itertools.count(1)
+        self.delay_s = delay_s
+        self.pending: "collections.deque" = collections.deque()  # writes posted, not yet done by "DMA"
+        if delay_s:
+            threading.Thread(target=self._dma, daemon=True, name="fake-dma").start()
 
     def nic(self, name: str, staged: bool = False) -> "FakeNic":
         return FakeNic(self, name, staged)
+
+    def _dma(self) -> None:
+        """Do the posted writes in batches, in posting order, each ``delay_s`` after the last."""
+        while True:
+            time.sleep(self.delay_s)
+            with self.lock:
+                while self.pending:
+                    self.pending.popleft()()
 
 
 class FakeNic:
@@ -124,6 +140,13 @@ class FakeQueuePair:
                        wr_id: int) -> None:
         with self.fabric.lock:
             self._local(region, addr, length)
+            if self.fabric.delay_s:
+                self.fabric.pending.append(lambda: self._write(addr, length, remote_addr, rkey, imm, wr_id))
+            else:
+                self._write(addr, length, remote_addr, rkey, imm, wr_id)
+
+    def _write(self, addr: int, length: int, remote_addr: int, rkey: int, imm: int, wr_id: int) -> None:
+        with self.fabric.lock:
             target = self.fabric.regions.get(rkey + 1000 if self.nic.corrupt_rkeys else rkey)
             if not _covers(target, remote_addr, length):
                 self.nic.completions.append(Completion(wr_id, self.qpn, "write", ok=False,

@@ -21,9 +21,10 @@ from tests.fake_nic import FakeFabric
 from tests.fakes import run_ranks
 
 
-def rdma_borders(n: int, staged: bool = False, **kwargs) -> list[RdmaBorder]:
-    """One RDMA border per rank on FAKE NICs, connected through a real in-process c10d store."""
-    fabric, store = FakeFabric(), dist.HashStore()
+def rdma_borders(n: int, staged: bool = False, delay_s: float = 0.0, **kwargs) -> list[RdmaBorder]:
+    """One RDMA border per rank on FAKE NICs, connected through a real in-process c10d store
+    (``delay_s``: writes done late, as by DMA)."""
+    fabric, store = FakeFabric(delay_s), dist.HashStore()
     borders = [RdmaBorder(r, fabric.nic(f"fake_mlx5_{r}", staged), StoreRendezvous(store, "rdma-test"), timeout_s=10,
                           **kwargs) for r in range(n)]
     with ThreadPoolExecutor(n) as pool:  # ranks connect at once, as in separate processes
@@ -142,6 +143,25 @@ def test_memory_the_nic_cannot_reach_goes_through_host_staging(op):
         np.testing.assert_array_equal(acc.numpy(), data.numpy() + (1 if op else 0))
         registered = {r.addr for b in borders for r in b.nic.registered}
         assert data.data_ptr() not in registered and acc.data_ptr() not in registered  # only staging buffers
+    finally:
+        close_all(borders)
+
+
+@pytest.mark.parametrize("op", [None, "sum"])
+def test_back_to_back_transfers_to_one_peer_never_share_a_staging_buffer(op):
+    """Writes read their source, and land, late (FAKE DMA): three staged messages in flight to
+    one peer at once must each have their own staging and landing buffers."""
+    borders = rdma_borders(2, staged=True, delay_s=0.02, chunk_bytes=4096)
+    try:
+        n = 3000
+        sent = [torch.full((n,), float(10 * (q + 1))) for q in range(3)]
+        got = [torch.ones(n) for _ in range(3)]
+        recvs = [borders[1].irecv(0, got[q], Tag(1, q + 1, 0), op=op) for q in range(3)]
+        sends = [borders[0].isend(1, sent[q], Tag(1, q + 1, 0)) for q in range(3)]
+        for handle in sends + recvs:
+            handle.wait(10)
+        for q in range(3):
+            np.testing.assert_array_equal(got[q].numpy(), sent[q].numpy() + (1 if op else 0))
     finally:
         close_all(borders)
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from hetccl_ray import devices
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.transport.base import ByteCounter, Handle, Tag, chunks, mismatch
@@ -314,8 +315,10 @@ class _Link:
     def post_incoming(self, handle: Handle, tag: Tag, buf: torch.Tensor, op: Optional[str]) -> None:
         nbytes = buf.numel() * buf.element_size()
         direct = op is None and self.border.nic.memory_path(buf.device) != "staged"
-        landing = buf if direct else self.border.landing(self.peer, nbytes)
-        region = self.border.mrs.region(landing)
+        with devices.of(buf).using(None):  # a device's context on this thread (dmabuf export needs one)
+            region = self._region(buf) if direct else None
+        landing = buf if region is not None else self.border.take_host(nbytes)  # one per transfer
+        region = region or self.border.mrs.region(landing)
         chunk = max(self.border.chunk_bytes // buf.element_size(), 1) * buf.element_size()
         xfer = next(self.xfers)
         self.incoming[xfer] = _Incoming(handle, tag, buf, landing, op, chunks(nbytes, chunk))
@@ -339,14 +342,32 @@ class _Link:
         if item.arrived == len(item.spans):
             self._finish_incoming(xfer)
 
+    def _region(self, buf: torch.Tensor) -> Optional[Region]:
+        """``buf``'s memory region, or None where device memory cannot be registered (then it
+        is staged through host memory instead of failing the transfer)."""
+        try:
+            return self.border.mrs.region(buf)
+        except Exception as exc:  # noqa: BLE001 - a verbs or driver error: staging always works
+            if buf.device.type == "cpu":
+                raise
+            logger.warning("%s: registering %s memory failed (%s); staging through host memory",
+                           self.where(), buf.device, exc)
+            return None
+
     def _finish_incoming(self, xfer: int) -> None:
         item = self.incoming.pop(xfer)
+        self._release(item)
         self.border.count(received=sum(length for _, length in item.spans))
         item.handle.finish()
+
+    def _release(self, item: "_Incoming") -> None:
+        if item.landing is not item.buf:
+            self.border.give_host(item.landing)
 
     def _abort_incoming(self, message: Control) -> None:
         item = self.incoming.pop(message.xfer, None)
         if item is not None:
+            self._release(item)
             item.handle.finish(mismatch(self.border.rank, item.tag, sum(n for _, n in item.spans), self.peer,
                                         message.tag, message.nbytes))
 
@@ -362,7 +383,8 @@ class _Link:
                 handle.finish(self.error)
                 continue
             try:
-                self._send_one(*item)
+                with devices.of(item[1]).using(None):  # the device's context on this thread
+                    self._send_one(*item)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 if not isinstance(exc, (HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError)):
                     exc = HetCCLPeerError(f"{self.where()} failed: {exc}")
@@ -378,10 +400,9 @@ class _Link:
         if not spans:
             handle.finish()
             return
-        source = buf
-        if self.border.nic.memory_path(buf.device) == "staged":
-            source = self.border.staging(self.peer, nbytes)
-        region = self.border.mrs.region(source)
+        region = self._region(buf) if self.border.nic.memory_path(buf.device) != "staged" else None
+        source = buf if region is not None else self.border.take_host(nbytes)  # one per transfer
+        region = region or self.border.mrs.region(source)
         left = [len(spans)]
 
         def written(completion: Completion) -> None:
@@ -391,6 +412,8 @@ class _Link:
                 return
             left[0] -= 1
             if left[0] == 0:
+                if source is not buf:
+                    self.border.give_host(source)  # every write that read it has completed
                 self.border.count(sent=nbytes)
                 handle.finish()
 
@@ -450,7 +473,8 @@ class RdmaBorder(ByteCounter):
         self.router = CompletionRouter()
         self.mrs = MRCache(nic.register, nic.deregister)
         self._links: dict[int, _Link] = {}
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._free: list[torch.Tensor] = []  # host buffers no transfer uses now
+        self._buffers_lock = threading.Lock()
         self._lock = threading.Lock()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name=f"hetccl-rdma-poll-{rank}")
         self._poller.start()
@@ -472,22 +496,23 @@ class RdmaBorder(ByteCounter):
             link.post_incoming(handle, tag, buf, op)
         return handle
 
-    def _pinned(self, slot: str, peer: int, nbytes: int) -> torch.Tensor:
-        """A reused host buffer of at least ``nbytes`` (pinned where CUDA is), per peer and use."""
-        key = (slot, peer)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
-                                                   pin_memory=torch.cuda.is_available())
+    def take_host(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes`` (pinned where CUDA is) that no transfer in flight uses:
+        where a partial lands before it is reduced, or a device tensor the NIC cannot read is
+        staged. Kept for reuse (their memory regions stay registered); :meth:`give_host` when done."""
+        with self._buffers_lock:
+            fits = [buf for buf in self._free if buf.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=torch.Tensor.numel)
+                self._free.remove(buf)
+            else:
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return buf[:nbytes]
 
-    def landing(self, peer: int, nbytes: int) -> torch.Tensor:
-        """Where a peer's partial lands before it is reduced (or copied to the device)."""
-        return self._pinned("landing", peer, nbytes)
-
-    def staging(self, peer: int, nbytes: int) -> torch.Tensor:
-        """Host copy of a device tensor the NIC cannot read directly."""
-        return self._pinned("staging", peer, nbytes)
+    def give_host(self, view: torch.Tensor) -> None:
+        """A buffer from :meth:`take_host` is free again (its transfer completed or failed)."""
+        with self._buffers_lock:
+            self._free.append(view._base if view._base is not None else view)
 
     def connect(self, peers: list[int]) -> None:
         """Create a queue pair for every peer, publish them all, then connect each: all first,
@@ -542,8 +567,8 @@ class RdmaBorder(ByteCounter):
                     self._fail_qp(completion.qpn, HetCCLPeerError(f"RDMA {self.nic.name} QP {completion.qpn}: "
                                                                   f"{exc}"))
             idle = 0 if done else idle + 1
-            if idle > 100:
-                time.sleep(50e-6)
+            if idle > 100:  # idle: sleep (the GIL free), longer the longer nothing completes
+                time.sleep(min(50e-6 * (idle - 100), 1e-3))
 
     def _fail_qp(self, qpn: int, error: BaseException) -> None:
         for link in list(self._links.values()):

@@ -20,7 +20,7 @@ import logging
 import os
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -81,8 +81,9 @@ def _wanted(name: str) -> bool:
 
 
 def _gid_index(ctx: Any, port: int, link_layer: str) -> tuple[int, str]:
-    """The GID to use: ``HETCCL_RDMA_GID_INDEX``, else the first non-zero entry (RoCE: an
-    IPv4-mapped one first, so that it routes like the host's own address)."""
+    """The GID to use: ``HETCCL_RDMA_GID_INDEX``, else the first non-zero entry (RoCE: a RoCE
+    v2 one first, which routes over IP, then an IPv4-mapped one, so that it routes like the
+    host's own address; the first IPv4-mapped entry is usually RoCE v1, which does not)."""
     forced = os.environ.get("HETCCL_RDMA_GID_INDEX")
     if forced:
         return int(forced), str(ctx.query_gid(port, int(forced)).gid)
@@ -96,8 +97,37 @@ def _gid_index(ctx: Any, port: int, link_layer: str) -> tuple[int, str]:
             found.append((index, gid))
     if not found:
         raise LookupError("no GID")
-    mapped = [entry for entry in found if "ffff:" in entry[1]]
-    return (mapped or found)[0] if link_layer == "ethernet" else found[0]
+    if link_layer != "ethernet":
+        return found[0]
+
+    def rank(entry: tuple[int, str]) -> tuple[bool, bool]:
+        return not _roce_v2(ctx, port, entry[0]), "ffff:" not in entry[1]
+
+    return min(found, key=rank)
+
+
+def _roce_v2(ctx: Any, port: int, index: int) -> bool:
+    """Whether GID table entry ``index`` is RoCE v2 (False where pyverbs cannot tell)."""
+    try:
+        from pyverbs.libibverbs_enums import ibv_gid_type_sysfs
+
+        return ctx.query_gid_type(port, index) == ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2
+    except Exception:  # noqa: BLE001 - an older pyverbs: keep the table order
+        return False
+
+
+def pick_port(ports: Sequence[Port], local_rank: int, numa_node: Optional[int]) -> Port:
+    """This rank's port: one on the GPU's NUMA node where sysfs tells, spread over such ports
+    by the rank's place in its island (ranks of one host do not all share the first NIC)."""
+    near = [p for p in ports if numa_node is not None and _numa_of(p.device) == numa_node] or list(ports)
+    return near[local_rank % len(near)]
+
+
+def _numa_of(device: str) -> Optional[int]:
+    try:
+        return int(open(f"/sys/class/infiniband/{device}/device/numa_node").read())
+    except (OSError, ValueError):
+        return None
 
 
 @functools.cache
@@ -173,8 +203,9 @@ def gpu_memory_path() -> str:
     return "peermem" if _peer_memory_loaded() else "staged"
 
 
-def _dmabuf_fd(addr: int, length: int) -> tuple[int, int, int]:
-    """A dmabuf fd for GPU memory around [addr, addr + length): (fd, aligned start, aligned length)."""
+def _dmabuf_fd(addr: int, length: int) -> tuple[int, int, int, int]:
+    """A dmabuf fd for GPU memory around [addr, addr + length): (fd, aligned start, aligned
+    length, where that start lies in the dmabuf: HSA exports the whole allocation)."""
     start = addr & ~(_PAGE - 1)
     size = ((addr + length - start) + _PAGE - 1) & ~(_PAGE - 1)
     if getattr(torch.version, "hip", None):
@@ -184,13 +215,16 @@ def _dmabuf_fd(addr: int, length: int) -> tuple[int, int, int]:
                                                     ctypes.byref(fd), ctypes.byref(offset))
         if status != 0:
             raise RuntimeError(f"hsa_amd_portable_export_dmabuf failed with status {status}")
-        return fd.value, start - offset.value, size
+        return fd.value, start, size, offset.value
     driver = _cuda_driver()
     err, fd = driver.cuMemGetHandleForAddressRange(
         start, size, driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
     if int(err) != 0:
         raise RuntimeError(f"cuMemGetHandleForAddressRange failed with {err}")
-    return int(fd), start, size
+    return int(fd), start, size, 0
+
+
+_HOP_LIMIT = 64
 
 
 # -- the NIC --------------------------------------------------------------------------------------------
@@ -247,9 +281,9 @@ class PyverbsNic:
             mr = MR(self.pd, length, self._access, address=addr)
             return Region(addr, length, mr.lkey, mr.rkey, mr)
         if path == "dmabuf":
-            fd, start, size = _dmabuf_fd(addr, length)
+            fd, start, size, at = _dmabuf_fd(addr, length)
             try:
-                mr = DmaBufMR(self.pd, size, self._access, dmabuf=fd, offset=0)
+                mr = DmaBufMR(self.pd, size, self._access, dmabuf=fd, offset=at)
             finally:
                 os.close(fd)  # the MR holds its own reference to the dmabuf
             return Region(start, size, mr.lkey, mr.rkey, mr, iova=0)
@@ -302,7 +336,7 @@ class PyverbsQueuePair:
         attr.qp_access_flags = self.nic._access
         gid = GID()
         gid.gid = remote.gid
-        route = GlobalRoute(dgid=gid, sgid_index=port.gid_index)
+        route = GlobalRoute(dgid=gid, sgid_index=port.gid_index, hop_limit=_HOP_LIMIT)  # RoCEv2 crosses routers
         attr.ah_attr = AHAttr(port_num=port.port, is_global=1, gr=route, dlid=remote.lid)
         attr.path_mtu = min(port.mtu, remote.mtu)
         attr.dest_qp_num, attr.rq_psn, attr.sq_psn = remote.qpn, remote.psn, self.psn
