@@ -4,8 +4,9 @@
 
 Sizes follow nccl-tests: ``size`` is the whole buffer (for allgather the gathered
 output, for reducescatter the input of all chunks); busbw = algbw x the op's bus factor.
-Both backends run on the same actors, interleaved size by size, so ratios are measured
-side by side. Bytes that crossed island boundaries are counted for hetccl (border
+Both backends run on the same actors, alternating call by call (their order rotating each
+iteration), so ratios are measured side by side; ``time`` is the median call (the slowest
+rank's time) and ``spread`` the p10-p90 range of the calls over it. Bytes that crossed island boundaries are counted for hetccl (border
 counters: payload bytes, and the bytes on the wire where compressed) and derived for gloo
 from its ring over ranks in rank order. ``--compress auto,off`` runs one hetccl group per
 mode side by side; ``--data grads`` sends real gradients (benchdata.py), as compression
@@ -236,27 +237,44 @@ def _data_bytes_sent(group: str) -> tuple[int, int]:
     return stats["bytes_sent"] - check, stats["wire_bytes_sent"] - check
 
 
-def rank_run(group: str, backend: str, op: str, count: int, dtype_name: str, warmup: int, iters: int,
-             rank: int, world: int, data: str = "fill") -> dict:
-    """In one actor: check one call, then time ``iters`` calls after ``warmup``."""
+def rank_run(groups: dict[str, str], op: str, count: int, dtype_name: str, warmup: int, iters: int,
+             rank: int, world: int, data: str = "fill") -> dict[str, dict]:
+    """In one actor: check one call of each backend, warm each up, then time ``iters`` calls
+    of each, alternating the backends call by call and rotating their order every iteration,
+    so the host's noisy moments and the cost of going first fall on every backend alike.
+    Each call starts after a barrier of its group; returns each call's seconds per backend."""
     dtype = getattr(torch, dtype_name)
-    x, chunks = _buffers(op, count, world, dtype, data, rank)
-    step = _step(op, group, world, rank, x, chunks)
-    hetccl = backend.startswith("hetccl")
-    col.barrier(group_name=group)
-    sent_before = _data_bytes_sent(group) if hetccl else (0, 0)
-    step()
-    wrong = _wrong(op, world, rank, count, x, chunks, step, data)
-    border, wire = ([after - before for after, before in zip(_data_bytes_sent(group), sent_before)] if hetccl
-                    else (None, None))
-    for _ in range(warmup):
+    out, steps = {}, {}
+    for backend, group in groups.items():
+        x, chunks = _buffers(op, count, world, dtype, data, rank)
+        step = steps[backend] = _step(op, group, world, rank, x, chunks)
+        hetccl = backend.startswith("hetccl")
+        col.barrier(group_name=group)
+        sent_before = _data_bytes_sent(group) if hetccl else (0, 0)
         step()
-    col.barrier(group_name=group)
-    started = time.perf_counter()
-    for _ in range(iters):
-        step()
-    elapsed = (time.perf_counter() - started) / max(iters, 1)
-    return {"time_s": elapsed, "wrong": wrong, "border_bytes": border, "wire_bytes": wire}
+        wrong = _wrong(op, world, rank, count, x, chunks, step, data)
+        border, wire = ([after - before for after, before in zip(_data_bytes_sent(group), sent_before)] if hetccl
+                        else (None, None))
+        for _ in range(warmup):
+            step()
+        out[backend] = {"times_s": [], "wrong": wrong, "border_bytes": border, "wire_bytes": wire}
+    names = list(groups)
+    for i in range(iters):
+        for backend in names[i % len(names):] + names[:i % len(names)]:
+            col.barrier(group_name=groups[backend])
+            started = time.perf_counter()
+            steps[backend]()
+            out[backend]["times_s"].append(time.perf_counter() - started)
+    return out
+
+
+def call_seconds(per_rank: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """The median over iterations of the slowest rank's time, and the spread: (p90 - p10)
+    of those iteration times over the median (0.1 = 10%)."""
+    calls = sorted(max(times) for times in zip(*per_rank))
+    median = calls[len(calls) // 2]
+    low, high = calls[int(0.1 * (len(calls) - 1))], calls[-1 - int(0.1 * (len(calls) - 1))]
+    return median, (high - low) / median if median else 0.0
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -329,10 +347,10 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     for label, mode in zip(labels, spec.compress):
         hetccl_ray.create_collective_group(actors, world, list(range(world)), group_name=groups[label],
                                            timeout_s=timeout_s, transport=transport, compress=mode)
-        per_rank = ray.get([a.call.remote(lane_transports, groups[label], r) for r, a in enumerate(actors)],
+        lanes_of = ray.get([a.call.remote(lane_transports, groups[label], r) for r, a in enumerate(actors)],
                            timeout=max(timeout_s, 60))  # also forms the group on every rank
     first = topo.islands[0].ranks
-    lanes = [f"lane {lane}: " + "; ".join(per_rank[first[lane]][0]) for lane in range(topo.lanes)
+    lanes = [f"lane {lane}: " + "; ".join(lanes_of[first[lane]][0]) for lane in range(topo.lanes)
              if len(topo.islands) > 1]
     if spec.vs_gloo:
         col.create_collective_group(list(actors), world, list(range(world)), backend="gloo",
@@ -345,11 +363,12 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
             unit = itemsize * (world if op in ("allgather", "reducescatter", "alltoall") else 1)
             count = max(size // unit, 1) * unit // itemsize
             nbytes = count * itemsize
-            for backend, group in groups.items():
-                results = ray.get([a.call.remote(rank_run, group, backend, op, count, spec.dtype, spec.warmup,
-                                                 spec.iters, rank, world, spec.data) for rank, a in enumerate(actors)],
-                                  timeout=max(timeout_s, 600))
-                seconds = max(r["time_s"] for r in results)
+            per_rank = ray.get([a.call.remote(rank_run, groups, op, count, spec.dtype, spec.warmup, spec.iters,
+                                              rank, world, spec.data) for rank, a in enumerate(actors)],
+                               timeout=max(timeout_s, 600))
+            for backend in groups:
+                results = [r[backend] for r in per_rank]
+                seconds, spread = call_seconds([r["times_s"] for r in results])
                 algbw = nbytes / seconds / 1e9
                 hetccl = backend.startswith("hetccl")
                 border = (sum(r["border_bytes"] for r in results) if hetccl
@@ -358,7 +377,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                 rows.append({"op": op, "size": nbytes, "count": count, "type": spec.dtype,
                              "redop": "sum" if op in ("allreduce", "reducescatter", "reduce") else "none",
                              "root": 0 if op in ("broadcast", "reduce") else -1, "backend": backend,
-                             "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, world),
+                             "time_us": seconds * 1e6, "spread": spread, "algbw": algbw, "busbw": algbw * bus_factor(op, world),
                              "wrong": sum(r["wrong"] for r in results), "border_bytes": border,
                              "wire_bytes": wire, "wire_ratio": wire / border if border else None,
                              "border_bound": hetccl_bound(op, topo, nbytes), "data": spec.data})
@@ -368,7 +387,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                 bar.step(f"{op} {nbytes} B {backend}")
     frame = pd.DataFrame(rows)
     frame.attrs["lanes"] = lanes
-    frame.attrs["model"] = per_rank[0][1]
+    frame.attrs["model"] = lanes_of[0][1]
     frame.attrs["compression"] = [
         f"{label} {line}" for label in labels if label.startswith("hetccl")
         for lines in ray.get([a.call.remote(compression_report, groups[label], r) for r, a in enumerate(actors)],
@@ -390,8 +409,8 @@ def format_table(frame: pd.DataFrame) -> str:
     head2 = f"{'#':>1}{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>4}"
     linked = "x_link_bound" in frame and frame["x_link_bound"].notna().any()
     for backend in backends:
-        head1 += f" | {backend + ' time':>12} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'border':>10}"
-        head2 += f" | {'(us)':>12} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(B)':>10}"
+        head1 += f" | {backend + ' time':>12} {'spread':>6} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'border':>10}"
+        head2 += f" | {'(us, med)':>12} {'(%)':>6} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(B)':>10}"
         if backend.startswith("hetccl"):
             head1 += f" {'wire':>10} {'wire/':>6}"
             head2 += f" {'(B)':>10} {'border':>6}"
@@ -411,7 +430,7 @@ def format_table(frame: pd.DataFrame) -> str:
                     f"{first['root']:>4}")
             for backend in backends:
                 row = rows[rows["backend"] == backend].iloc[0]
-                line += (f" | {row['time_us']:>12.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
+                line += (f" | {row['time_us']:>12.1f} {100 * row['spread']:>6.0f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} "
                          f"{row['wrong']:>6d} {int(row['border_bytes']):>10d}")
                 if backend.startswith("hetccl"):
                     ratio = f"{row['wire_ratio']:>6.3f}" if pd.notna(row["wire_ratio"]) else f"{'-':>6}"
