@@ -255,16 +255,15 @@ def rank_run(groups: dict[str, str], op: str, count: int, dtype_name: str, warmu
         wrong = _wrong(op, world, rank, count, x, chunks, step, data)
         border, wire = ([after - before for after, before in zip(_data_bytes_sent(group), sent_before)] if hetccl
                         else (None, None))
-        for _ in range(warmup):
-            step()
         out[backend] = {"times_s": [], "wrong": wrong, "border_bytes": border, "wire_bytes": wire}
     names = list(groups)
-    for i in range(iters):
+    for i in range(warmup + iters):  # warm-up calls alternate too: no backend runs hotter
         for backend in names[i % len(names):] + names[:i % len(names)]:
             col.barrier(group_name=groups[backend])
             started = time.perf_counter()
             steps[backend]()
-            out[backend]["times_s"].append(time.perf_counter() - started)
+            if i >= warmup:
+                out[backend]["times_s"].append(time.perf_counter() - started)
     return out
 
 
