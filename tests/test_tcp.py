@@ -106,3 +106,53 @@ def test_a_corrupt_frame_is_an_error_naming_the_peer(pair, monkeypatch):
     assert torch.equal(out, torch.full_like(x, 7.0))
     with pytest.raises(HetCCLPeerError, match="rank 0 <-> rank 1 failed: connection closed"):
         pair[0].irecv(1, out, Tag(1, 2, 0)).wait(5)  # the sender hears at once, not at its deadline
+
+
+def _flood(address, count: int, held: list) -> None:
+    """FAKE attackers (real sockets): ``count`` connections that send nothing, random bytes or
+    a wrong proof; idle ones are held open (in ``held``) until the test ends."""
+    import os
+
+    for k in range(count):
+        try:
+            sock = socket.create_connection(address, timeout=5)
+        except OSError:
+            continue
+        kind = k % 3
+        if kind == 1:
+            sock.sendall(os.urandom(36))
+        elif kind == 2:
+            sock.sendall(b"\x00\x00\x00\x00" + bytes(32))  # claims rank 0, wrong proof
+        held.append(sock)
+
+
+def test_a_flood_of_strangers_costs_no_threads_and_real_peers_still_connect():
+    borders = [TcpBorder(r, "127.0.0.1") for r in range(3)]
+    addresses = {r: b.address for r, b in enumerate(borders)}
+    for r, border in enumerate(borders):
+        border.set_peers({p: a for p, a in addresses.items() if p != r}, SECRET)
+    held: list = []
+    try:
+        threads_before = threading.active_count()
+        flooders = [threading.Thread(target=_flood, args=(borders[2].address, 700, held)) for _ in range(3)]
+        for flooder in flooders:
+            flooder.start()
+        most_threads = threads_before
+        for q in range(1, 6):  # ranks 0 and 1 dial rank 2 in the middle of the flood (first use)
+            data = torch.arange(256, dtype=torch.float32) + q
+            outs = [torch.zeros(256) for _ in range(2)]
+            _both([borders[0].isend(2, data, Tag(1, q, 2)), borders[1].isend(2, data, Tag(1, q, 2))],
+                  [borders[2].irecv(0, outs[0], Tag(1, q, 2)), borders[2].irecv(1, outs[1], Tag(1, q, 2))])
+            for out in outs:
+                np.testing.assert_array_equal(out.numpy(), data.numpy())
+            most_threads = max(most_threads, threading.active_count())
+        for flooder in flooders:
+            flooder.join()
+        most_threads = max(most_threads, threading.active_count())
+        assert most_threads <= threads_before + 3 + 1  # the flooders and _both's waiter, nothing per connection
+        assert borders[2].rejected >= 2 * 2100 // 3 - 64  # garbage and wrong proofs refused; idle ones time out
+    finally:
+        for sock in held:
+            sock.close()
+        for border in borders:
+            border.close()

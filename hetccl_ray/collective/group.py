@@ -134,7 +134,7 @@ class HetCCLGroup(BaseGroup):
                                    else GroupOptions.from_json(get_raw(options_key(group_name))))
         self._lock = threading.Lock()
         self._seq = 0
-        self._p2p_seq: dict[tuple[str, int], int] = defaultdict(int)
+        self._p2p_seq: dict[tuple, int] = defaultdict(int)
         self._broken: Optional[BaseException] = None
         self._scratch = plans.ScratchPool()
         self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-pipeline-{rank}")
@@ -352,8 +352,7 @@ class HetCCLGroup(BaseGroup):
                 seq = self._seq
                 self._progress.start(seq)
             else:
-                self._p2p_seq[call.op, peer] += 1
-                seq = self._p2p_seq[call.op, peer]
+                seq = self._next_p2p_seq(call.op, peer)
             where = f"{call.op} #{seq} in group '{self.group_name}' on rank {self.rank}"
             before_bytes = self.border.bytes_sent
             caller, stream = device.current_stream(), self._stream_of(device)
@@ -455,8 +454,8 @@ class HetCCLGroup(BaseGroup):
         if isinstance(exc, HetCCLTimeoutError) or "Timed out" in text or "timed out" in text:
             waiting = getattr(exc, "waiting_for", None)
             detail = f"; waiting for rank {waiting}" if waiting is not None else ""
-            return HetCCLTimeoutError(f"{where} timed out after {self.options.timeout_s:.1f}s; {arrival}{detail} "
-                                      f"({text})")
+            return HetCCLTimeoutError(f"{where} timed out after {self.options.timeout_s:.1f}s (Timed out waiting "
+                                      f"for peers; timeout {self.options.timeout_s:.0f} s); {arrival}{detail} ({text})")
         return HetCCLPeerError(f"{where} failed: {text}; {arrival}")
 
     # -- argument checks -------------------------------------------------------------------------
@@ -475,14 +474,14 @@ class HetCCLGroup(BaseGroup):
                              f"{self.world_size} (0..{self.world_size - 1})")
         return rank
 
-    def _per_rank_list(self, lists: Any, what: str, nested: bool = True) -> list[Operand]:
+    def _per_rank_list(self, lists: Any, what: str, nested: bool = True, moving: bool = False) -> list[Operand]:
         """One operand per rank; ``nested``: Ray's form, a list holding that list (multi-GPU)."""
         tensor_list = self._one(lists, what) if nested else lists
         if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != self.world_size:
             got = len(tensor_list) if isinstance(tensor_list, (list, tuple)) else type(tensor_list).__name__
             raise HetCCLInputError(f"group '{self.group_name}': {what} must be a list of world_size="
                              f"{self.world_size} tensors, got {got}")
-        return [Operand(t) for t in tensor_list]
+        return [Operand(t, moving) for t in tensor_list]
 
     @staticmethod
     def _reduce_op(options: Any) -> str:
@@ -514,15 +513,15 @@ class HetCCLGroup(BaseGroup):
                   after=x.write_back if self.rank == root else None)
 
     def broadcast(self, tensor: Any, broadcast_options: Any = BroadcastOptions()) -> None:
-        x = Operand(self._one(tensor, "broadcast"))
+        x = Operand(self._one(tensor, "broadcast"), moving=True)
         root = self._rank_arg(broadcast_options.root_rank, "broadcast root")
         self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat,
                   lambda ctx: plans.broadcast(ctx, x.flat, root), lambda ctx, c, buf: tree.broadcast(ctx, c, buf, root),
                   staged=[x.flat], after=x.write_back)
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
-        x = Operand(self._one(tensor, "allgather input"))
-        outputs = self._per_rank_list(tensor_list, "allgather output tensor_list")
+        x = Operand(self._one(tensor, "allgather input"), moving=True)
+        outputs = self._per_rank_list(tensor_list, "allgather output tensor_list", moving=True)
         same_kind(x, outputs, "allgather output tensor_list")
         n, order = x.numel, self.topology.island_major_order()
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
@@ -564,8 +563,8 @@ class HetCCLGroup(BaseGroup):
         """Send ``tensor_list_in[t]`` to rank t, receive ``tensor_list_out[r]`` from rank r.
         Sizes may differ per pair (MoE token routing), but what r sends t must be what t
         expects from r: a pair that disagrees is a mismatch on every rank, no data moved."""
-        ins = self._per_rank_list(tensor_list_in, "alltoall tensor_list_in", nested=False)
-        outs = self._per_rank_list(tensor_list_out, "alltoall tensor_list_out", nested=False)
+        ins = self._per_rank_list(tensor_list_in, "alltoall tensor_list_in", nested=False, moving=True)
+        outs = self._per_rank_list(tensor_list_out, "alltoall tensor_list_out", nested=False, moving=True)
         self.alltoall_flat([x.flat for x in ins], [x.flat for x in outs], after=lambda: [o.write_back() for o in outs])
 
     def alltoall_flat(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -589,9 +588,9 @@ class HetCCLGroup(BaseGroup):
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the
         all-to-all plan with blocks to root only, so bytes cross the border once."""
-        x = Operand(self._one(tensor, "gather"))
+        x = Operand(self._one(tensor, "gather"), moving=True)
         root = self._rank_arg(root, "gather root")
-        outs = self._per_rank_list(gather_list, "gather_list", nested=False) if self.rank == root else []
+        outs = self._per_rank_list(gather_list, "gather_list", nested=False, moving=True) if self.rank == root else []
         same_kind(x, outs, "gather_list")
         n, empty = x.numel, x.flat[:0]
         counts = [[n if t == root else 0 for t in range(self.world_size)] for _ in range(self.world_size)]
@@ -603,9 +602,9 @@ class HetCCLGroup(BaseGroup):
     def scatter(self, tensor: Any, scatter_list: Any, root: int) -> None:
         """``scatter_list[t]`` at ``root`` into rank t's ``tensor``: the all-to-all plan with
         blocks from root only."""
-        x = Operand(self._one(tensor, "scatter"))
+        x = Operand(self._one(tensor, "scatter"), moving=True)
         root = self._rank_arg(root, "scatter root")
-        ins = self._per_rank_list(scatter_list, "scatter_list", nested=False) if self.rank == root else []
+        ins = self._per_rank_list(scatter_list, "scatter_list", nested=False, moving=True) if self.rank == root else []
         same_kind(x, ins, "scatter_list")
         n, empty = x.numel, x.flat[:0]
         counts = [[n if r == root else 0 for _ in range(self.world_size)] for r in range(self.world_size)]
@@ -617,7 +616,7 @@ class HetCCLGroup(BaseGroup):
     def recv_any(self, tensor: Any) -> int:
         """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
         CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
-        x = Operand(self._one(tensor, "recv from any source"))
+        x = Operand(self._one(tensor, "recv from any source"), moving=True)
         rdma = sorted(self.border.routes)
         if not devices.of(x.flat).host or rdma:
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
@@ -634,13 +633,58 @@ class HetCCLGroup(BaseGroup):
         self.recv(x.user, SimpleNamespace(src_rank=source))
         return source
 
-    def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> None:
-        x = Operand(self._one(tensor, op))
+    def _p2p_operand(self, op: str, tensor: Any, peer: int) -> tuple[Operand, int]:
+        x = Operand(self._one(tensor, op), moving=True)
         peer = self._rank_arg(peer, f"{op} peer")
         if peer == self.rank:
             raise HetCCLInputError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
+        return x, peer
+
+    def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> None:
+        x, peer = self._p2p_operand(op, tensor, peer)
         self._run(Call(op, x.flat.dtype, x.numel), x.flat, lambda ctx: plan(ctx, x.flat, peer), peer=peer,
                   after=x.write_back if op == "recv" else None)
+
+    def _next_p2p_seq(self, op: str, peer: int, tag: int = 0) -> int:
+        """The sequence number of this rank's next ``op`` ("send"/"recv") with ``peer`` under
+        ``tag``: numbered per (op, peer, tag), the tag in the high bits, so a send and a
+        receive of another tag are a mismatch named on both ends, never silently paired."""
+        key = (op, peer) if tag == 0 else (op, peer, tag)
+        self._p2p_seq[key] += 1
+        return (tag << 32) | self._p2p_seq[key]
+
+    def post_p2p(self, op: str, tensor: Any, peer: int, tag: int = 0) -> Callable[[], None]:
+        """Post a send or receive of ``tensor`` ("send"/"recv") without waiting for it, as
+        torch's isend/irecv: returns the wait. Every posted transfer progresses while any is
+        waited for, so a batch in which every rank sends to and receives from every other
+        completes whatever the sizes. Host tensors; device ones run :meth:`send`/:meth:`recv`."""
+        x, peer = self._p2p_operand(op, tensor, peer)
+        if not devices.of(x.flat).host or not x.numel:
+            self._run(Call(op, x.flat.dtype, x.numel), x.flat,
+                      lambda ctx: (plans.send if op == "send" else plans.recv)(ctx, x.flat, peer), peer=peer,
+                      after=x.write_back if op == "recv" else None)
+            return lambda: None
+        with self._lock:
+            if self._broken is not None:
+                raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
+                                        f"({self._broken}); destroy and re-create it") from self._broken
+            seq = self._next_p2p_seq(op, peer, tag)
+            where = f"{op} #{seq & 0xFFFFFFFF} (tag {tag}) in group '{self.group_name}' on rank {self.rank}"
+            mark = Tag(OP_CODES[op], seq, dtype_code(x.flat.dtype))
+            handle = self.border.isend(peer, x.flat, mark) if op == "send" else self.border.irecv(peer, x.flat, mark)
+        deadline = time.monotonic() + self.options.timeout_s
+
+        def wait() -> None:
+            try:
+                handle.wait(max(deadline - time.monotonic(), 0.0))
+            except (HetCCLError, RuntimeError) as exc:
+                with self._lock:
+                    self._broken = self._broken or self._explain(exc, where, seq, peer)
+                self.border.close()
+                raise self._broken from exc
+            x.write_back()
+
+        return wait
 
     def send(self, tensor: Any, send_options: Any) -> None:
         self._p2p("send", tensor, send_options.dst_rank, plans.send)

@@ -10,8 +10,9 @@ import torch
 from hetccl_ray import devices
 from hetccl_ray.errors import HetCCLInputError, HetCCLTypeError
 
+# dtypes every op takes (reductions in their own arithmetic); codes are their index (keep the order)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                    torch.int32, torch.int64, torch.uint8)
+                    torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16)
 _NAMES = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 
 
@@ -20,12 +21,14 @@ def dtype_code(dtype: torch.dtype) -> int:
     return SUPPORTED_DTYPES.index(dtype)
 
 
-def to_torch(tensor: Any) -> torch.Tensor:
-    """A torch view of a numpy array, torch tensor or cupy array, sharing its memory."""
+def to_torch(tensor: Any, moving: bool = False) -> torch.Tensor:
+    """A torch view of a numpy array, torch tensor or cupy array, sharing its memory.
+    ``moving``: the op only moves bytes (broadcast, gathers, all-to-all, send/recv), so any
+    dtype goes (bool, complex, float8, ...), as its bytes."""
     if isinstance(tensor, torch.Tensor):
         out = tensor
     elif isinstance(tensor, np.ndarray):
-        if tensor.dtype.kind not in "fiu" or tensor.dtype.byteorder == ">":
+        if (tensor.dtype.kind not in "fiu" and not moving) or tensor.dtype.byteorder == ">":
             raise HetCCLTypeError(f"unsupported numpy dtype {tensor.dtype}; supported: {_NAMES}")
         out = torch.from_numpy(np.ascontiguousarray(tensor) if tensor.strides and min(tensor.strides) < 0
                                else tensor)
@@ -34,10 +37,11 @@ def to_torch(tensor: Any) -> torch.Tensor:
     else:
         raise HetCCLTypeError(f"unsupported tensor type {type(tensor).__name__}; supported: numpy.ndarray, "
                         "torch.Tensor, cupy.ndarray")
-    if out.dtype not in SUPPORTED_DTYPES:
-        raise HetCCLTypeError(f"unsupported dtype {out.dtype}; supported: {_NAMES}")
     if out.is_sparse or out.is_quantized:
         raise HetCCLTypeError("sparse and quantized tensors are not supported; pass a dense tensor")
+    if out.dtype not in SUPPORTED_DTYPES and not moving:
+        raise HetCCLTypeError(f"unsupported dtype {out.dtype} for a reduction; supported: {_NAMES} (and complex "
+                              f"for sum, through the torch backend); ops that only move data take any dtype")
     return out
 
 
@@ -48,17 +52,19 @@ class Operand:
     with negative strides, are worked on in a contiguous copy that is copied back.
     """
 
-    def __init__(self, tensor: Any) -> None:
+    def __init__(self, tensor: Any, moving: bool = False) -> None:
         self.user = tensor
-        self.view = to_torch(tensor)
+        self.view = to_torch(tensor, moving)
         self.in_place = self.view.is_contiguous() and (
             not isinstance(tensor, np.ndarray) or self.view.data_ptr() == tensor.ctypes.data)
         if self.in_place:
-            self.flat = self.view.reshape(-1)
+            self.contiguous = self.view
         else:  # the copy is device work on the caller's stream, before the op's entry event
-            self.flat = torch.empty(self.view.shape, dtype=self.view.dtype, device=self.view.device)
-            devices.of(self.view).launch(None, self.flat.copy_, self.view)
-            self.flat = self.flat.reshape(-1)
+            self.contiguous = torch.empty(self.view.shape, dtype=self.view.dtype, device=self.view.device)
+            devices.of(self.view).launch(None, self.contiguous.copy_, self.view)
+        self.flat = self.contiguous.reshape(-1)
+        if self.flat.dtype not in SUPPORTED_DTYPES:  # moved as bytes: every rank sees the same count
+            self.flat = self.flat.view(torch.uint8)
 
     @property
     def numel(self) -> int:
@@ -69,9 +75,9 @@ class Operand:
         if self.in_place:
             return
         if isinstance(self.user, np.ndarray):
-            self.user[...] = self.flat.reshape(self.user.shape).numpy()
+            self.user[...] = self.contiguous.numpy()
         else:
-            self.view.copy_(self.flat.reshape(self.view.shape))
+            self.view.copy_(self.contiguous)
 
 
 def same_kind(reference: Operand, others: list[Operand], what: str, sizes: bool = True) -> None:

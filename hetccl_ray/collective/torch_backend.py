@@ -58,6 +58,7 @@ class _Work(dist.Work):
         self.device = device
         self.launched: Future = Future()
         self.future: torch.futures.Future = torch.futures.Future()
+        self.posted = False  # a posted send/recv: launched once posted, done once transferred
         self.done: devices.EventLike | None = None
         self.returned: object = None  # what the op returned: a receive from any source, its source
 
@@ -67,6 +68,8 @@ class _Work(dist.Work):
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self.launched.result()  # re-raises the op's exception
+        if self.posted:
+            self.future.wait()
         if self.done is not None:
             self.device.current_stream().wait(self.done)  # the waiting stream, not the host, waits
             if not self.device.ordered_host_ops:  # host code after wait() reads it at once
@@ -148,9 +151,39 @@ class HetCCLProcessGroup(dist.ProcessGroup):
     def _allreduce_list(self, tensors: Sequence[torch.Tensor], opts) -> None:
         options, average = _reduce_op(opts)
         for tensor in tensors:
-            self.group.allreduce(tensor, options)
+            if tensor.is_sparse:
+                self._sparse_allreduce(tensor, options)
+            elif tensor.is_complex():  # a sum of complex numbers is the sums of their parts
+                if options.reduceOp != RayReduceOp.SUM:
+                    raise HetCCLInputError(f"all_reduce of {tensor.dtype} takes SUM or AVG only")
+                self.group.allreduce(torch.view_as_real(tensor), options)
+            else:
+                self.group.allreduce(tensor, options)
             if average:
                 self._launch(tensor, tensor.div_, self.size())
+
+    def _sparse_allreduce(self, tensor: torch.Tensor, options) -> None:
+        """A sparse COO tensor summed over ranks (DDP with sparse embeddings), as Gloo does it:
+        every rank's indices and values gathered, the result coalesced, written into ``tensor``."""
+        if options.reduceOp != RayReduceOp.SUM:
+            raise HetCCLInputError("all_reduce of a sparse tensor takes SUM or AVG only")
+        mine = tensor.coalesce()
+        world = self.size()
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        self.group.allgather([counts], torch.tensor([mine._nnz()]))
+        most = max(int(c) for c in counts)
+        indices = torch.zeros(mine.sparse_dim(), most, dtype=torch.int64)
+        values = torch.zeros((most, *mine.values().shape[1:]), dtype=mine.dtype)
+        indices[:, :mine._nnz()] = mine.indices()
+        values[:mine._nnz()] = mine.values()
+        all_indices = [torch.empty_like(indices) for _ in range(world)]
+        all_values = [torch.empty_like(values) for _ in range(world)]
+        self.group.allgather([all_indices], indices)
+        self.group.allgather([all_values], values)
+        summed = torch.sparse_coo_tensor(
+            torch.cat([i[:, :int(n)] for i, n in zip(all_indices, counts)], dim=1),
+            torch.cat([v[:int(n)] for v, n in zip(all_values, counts)]), mine.shape).coalesce()
+        tensor.copy_(summed)
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
@@ -215,10 +248,41 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         return self._async([], self.group.barrier)
 
     def send(self, tensors, dst, tag=0):
-        return self._async(tensors, lambda: [self.group.send(t, SimpleNamespace(dst_rank=dst)) for t in tensors])
+        return self._posted(tensors, "send", dst, tag)
 
     def recv(self, tensors, src, tag=0):
-        return self._async(tensors, lambda: [self.group.recv(t, SimpleNamespace(src_rank=src)) for t in tensors])
+        return self._posted(tensors, "recv", src, tag)
+
+    def _posted(self, tensors: Sequence[torch.Tensor], op: str, peer: int, tag: int) -> "dist.Work":
+        """isend/irecv: posted in call order on the group's thread without waiting for the
+        transfer (so batch_isend_irecv of every rank to every other completes); done when
+        transferred. Device tensors run as ordered ops."""
+        if any(not devices.of(t).host for t in tensors):
+            return self._async(tensors, lambda: [(self.group.send if op == "send" else self.group.recv)(
+                t, SimpleNamespace(dst_rank=peer, src_rank=peer)) for t in tensors])
+        work = _Work(devices.HOST)
+        work.posted = True
+
+        def post() -> None:
+            try:
+                waits = [self.group.post_p2p(op, t, peer, tag) for t in tensors]
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                work.launched.set_exception(exc)
+                work.future.set_exception(exc)
+                return
+            work.launched.set_result(None)
+            self._completer.submit(finish, waits)
+
+        def finish(waits) -> None:
+            try:
+                for wait in waits:
+                    wait()
+                work.future.set_result(tensors)
+            except BaseException as exc:  # noqa: BLE001
+                work.future.set_exception(exc)
+
+        self._worker.submit(post)
+        return work
 
     # torch.distributed's newer names for the same ops
     all_gather_single = _allgather_base
@@ -227,7 +291,9 @@ class HetCCLProcessGroup(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+        """``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        return self._async(output_lists, lambda: [self.group.allgather([[outs[i] for outs in output_lists]], inp)
+                                                  for i, inp in enumerate(input_list)])
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """``all_to_all_single``: rows of ``input`` to each rank by ``input_split_sizes`` (even
@@ -242,7 +308,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
 
     def _rows(self, tensor: torch.Tensor, split_sizes: Sequence[int], what: str):
         """The tensor as an operand and one flat view per rank, cut along dim 0."""
-        x = Operand(tensor)
+        x = Operand(tensor, moving=True)
         rows = tensor.shape[0] if tensor.dim() else 1
         world = self.size()
         if not split_sizes and rows % world:

@@ -20,6 +20,7 @@ import hmac
 import logging
 import os
 import select
+import selectors
 import socket
 import struct
 import threading
@@ -45,6 +46,7 @@ _CHALLENGE = 16
 _RANK = struct.Struct("!I")
 _DIGEST = hashlib.sha256().digest_size
 _HANDSHAKE_TIMEOUT_S = 5.0
+_MAX_HANDSHAKES = 64  # connections being authenticated at once; beyond, the oldest is dropped
 _POLL_S = 0.05
 _TCP_INFO = struct.Struct("=8xQ")  # struct tcp_info: tcpi_delivery_rate is the u64 at byte 160
 _TCP_INFO_AT = 160 - 8
@@ -83,6 +85,24 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 def _proof(secret: bytes, challenge: bytes, rank: int) -> bytes:
     return hmac.new(secret, challenge + _RANK.pack(rank), hashlib.sha256).digest()
+
+
+class _Handshake:
+    """One incoming connection being authenticated: the challenge sent, the reply so far."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.challenge = os.urandom(_CHALLENGE)
+        self.reply = bytearray(_RANK.size + _DIGEST)
+        self.view, self.got = memoryview(self.reply), 0
+        self.deadline = time.monotonic() + _HANDSHAKE_TIMEOUT_S
+        try:
+            self.name = "%s:%s" % sock.getpeername()[:2]
+        except OSError:
+            self.name = "unknown"
+
+    @property
+    def complete(self) -> bool:
+        return self.got == len(self.reply)
 
 
 class _DrivenHandle(Handle):
@@ -409,8 +429,7 @@ class TcpBorder(ByteCounter):
         self._listener = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((bind_host, 0))
-        self._listener.listen(64)
-        self._listener.settimeout(0.2)
+        self._listener.listen(128)
         self.address: tuple[str, int] = (bind_host, self._listener.getsockname()[1])
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name=f"hetccl-accept-{rank}")
         self._acceptor.start()
@@ -549,19 +568,33 @@ class TcpBorder(ByteCounter):
             self._link(peer, max(deadline - time.monotonic(), 0.1))
 
     def _connect(self, peer: int, timeout_s: float) -> _Link:
+        """Dial ``peer`` and prove the secret; a connection its listener dropped (a flood of
+        strangers filling its handshake slots) is dialled again until ``timeout_s``."""
         host, port = self._addresses[peer]
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
-            challenge = bytearray(_CHALLENGE)
-            _recv_exact(sock, memoryview(challenge))
-            sock.sendall(_RANK.pack(self.rank) + _proof(self._secret, bytes(challenge), self.rank))
-            ok = bytearray(2)
-            _recv_exact(sock, memoryview(ok))
-            if bytes(ok) != b"OK":
-                raise ConnectionError("peer refused the handshake")
-        except OSError as exc:
-            raise HetCCLPeerError(f"rank {self.rank} could not connect to rank {peer} at {host}:{port}: {exc}") from exc
-        return self._register(peer, sock)
+        deadline, pause = time.monotonic() + timeout_s, 0.01
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.1))
+                try:
+                    challenge = bytearray(_CHALLENGE)
+                    _recv_exact(sock, memoryview(challenge))
+                    sock.sendall(_RANK.pack(self.rank) + _proof(self._secret, bytes(challenge), self.rank))
+                    ok = bytearray(2)
+                    _recv_exact(sock, memoryview(ok))
+                except BaseException:
+                    sock.close()
+                    raise
+                if bytes(ok) != b"OK":
+                    sock.close()
+                    raise ConnectionError("peer refused the handshake")
+                return self._register(peer, sock)
+            except OSError as exc:
+                dropped = isinstance(exc, ConnectionError) and not isinstance(exc, ConnectionRefusedError)
+                if not dropped or time.monotonic() + pause >= deadline:  # nobody listens: say so now
+                    raise HetCCLPeerError(f"rank {self.rank} could not connect to rank {peer} at {host}:{port}: "
+                                          f"{exc}") from exc
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
 
     def _register(self, peer: int, sock: socket.socket) -> _Link:
         sock.setblocking(False)
@@ -572,40 +605,93 @@ class TcpBorder(ByteCounter):
         return link
 
     def _accept_loop(self) -> None:
-        while not self._closed:
+        """Accept and authenticate connections on this one thread: handshakes are driven by a
+        selector, at most ``_MAX_HANDSHAKES`` at once (the oldest dropped first), each within
+        ``_HANDSHAKE_TIMEOUT_S``, so a flood of idle or garbage connections costs sockets for a
+        few seconds, never threads."""
+        selector = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        selector.register(self._listener, selectors.EVENT_READ)
+        pending: "collections.OrderedDict[socket.socket, _Handshake]" = collections.OrderedDict()
+        try:
+            while not self._closed:
+                for key, _ in selector.select(timeout=_POLL_S * 4):
+                    if key.fileobj is self._listener:
+                        self._accept_some(selector, pending)
+                    else:
+                        self._handshake_step(selector, pending, key.fileobj)
+                now = time.monotonic()
+                for sock, shake in list(pending.items()):
+                    if shake.complete and self._ready.is_set():
+                        self._handshake_step(selector, pending, sock)  # it waited for this rank's secret
+                    elif now > shake.deadline:
+                        self._refuse(selector, pending, sock, "handshake timed out")
+        finally:
+            for sock in list(pending):
+                sock.close()
+            selector.close()
+
+    def _accept_some(self, selector: selectors.BaseSelector, pending: dict) -> None:
+        while True:
             try:
                 sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
                 return
-            threading.Thread(target=self._handshake, args=(sock,), daemon=True,
-                             name=f"hetccl-handshake-{self.rank}").start()
+            shake = _Handshake(sock)
+            try:
+                sock.setblocking(False)
+                sock.send(shake.challenge)  # 16 bytes into an empty socket buffer: all of it
+            except OSError as exc:
+                self._count_refusal(shake.name, exc)
+                sock.close()
+                continue
+            pending[sock] = shake
+            selector.register(sock, selectors.EVENT_READ)
+            if len(pending) > _MAX_HANDSHAKES:
+                oldest = next(iter(pending))
+                self._handshake_step(selector, pending, oldest)  # a real peer's proof may be waiting unread
+                if oldest in pending:
+                    self._refuse(selector, pending, oldest, f"over {_MAX_HANDSHAKES} handshakes pending")
 
-    def _handshake(self, sock: socket.socket) -> None:
-        """Admit a connection only if it proves it holds the group's secret."""
-        peer_name = "unknown"
+    def _handshake_step(self, selector: selectors.BaseSelector, pending: dict, sock: socket.socket) -> None:
+        """Read what the connection sent; admit it once its proof holds the group's secret."""
+        shake = pending[sock]
         try:
-            peer_name = "%s:%s" % sock.getpeername()[:2]
-            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            challenge = os.urandom(_CHALLENGE)
-            sock.sendall(challenge)
-            reply = bytearray(_RANK.size + _DIGEST)
-            _recv_exact(sock, memoryview(reply))
-            if not self._ready.wait(_HANDSHAKE_TIMEOUT_S):
-                raise PermissionError("connection before this rank knew the group's secret")
-            (peer,) = _RANK.unpack(bytes(reply[:_RANK.size]))
-            proof = bytes(reply[_RANK.size:])
-            if not (peer < self.rank and hmac.compare_digest(proof, _proof(self._secret, challenge, peer))):
+            if not shake.complete:
+                k = sock.recv_into(shake.view[shake.got:])
+                if k == 0:
+                    raise ConnectionError("closed during the handshake")
+                shake.got += k
+                if not shake.complete:
+                    return
+            if not self._ready.is_set():
+                return  # verified once set_peers gives the secret (or refused at the deadline)
+            (peer,) = _RANK.unpack(bytes(shake.reply[:_RANK.size]))
+            proof = bytes(shake.reply[_RANK.size:])
+            if not (peer < self.rank and hmac.compare_digest(proof, _proof(self._secret, shake.challenge, peer))):
                 raise PermissionError(f"bad credentials (claimed rank {peer})")
-            sock.sendall(b"OK")
+            sock.send(b"OK")
         except (OSError, PermissionError, ValueError) as exc:
-            with self._cond:
-                self.rejected += 1
-            logger.warning("hetccl border rank %d refused a connection from %s: %s", self.rank, peer_name, exc)
-            sock.close()
+            self._refuse(selector, pending, sock, exc)
             return
+        selector.unregister(sock)
+        del pending[sock]
         self._register(peer, sock)
+
+    def _refuse(self, selector: selectors.BaseSelector, pending: dict, sock: socket.socket, why: object) -> None:
+        shake = pending.pop(sock)
+        selector.unregister(sock)
+        sock.close()
+        self._count_refusal(shake.name, why)
+
+    def _count_refusal(self, peer_name: str, why: object) -> None:
+        with self._cond:
+            self.rejected += 1
+            first = self.rejected <= 10
+        log = logger.warning if first else logger.debug  # a flood logs its first refusals, not all
+        log("hetccl border rank %d refused a connection from %s: %s", self.rank, peer_name, why)
 
     def close(self) -> None:
         with self._cond:
