@@ -356,7 +356,7 @@ def test_bad_input_gives_clear_errors(actors):
         "bad shape": "with 3 elements; expected torch.float32 on cpu with 2",
         "root out of range": "broadcast root 4 is not a rank",
         "ray rank out of range": "must be less than world size",
-        "complex dtype": "unsupported dtype torch.complex64; supported: float16, bfloat16",
+        "complex dtype": "unsupported dtype torch.complex64 for a reduction; supported: float16, bfloat16",
         "bool dtype": "unsupported numpy dtype bool",
         "not a tensor": "unsupported tensor type list",
         "no such group": "'no-such-group' is not initialized",

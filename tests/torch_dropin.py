@@ -109,6 +109,22 @@ def calls(rank: int, world: int) -> dict[str, Any]:
         dist.all_gather_into_tensor(outs[1], torch.full((2,), float(rank + 5)))
     cm.wait()
     keep("coalesced all_gather_into_tensor", torch.cat(outs))
+    pieces = [torch.zeros(3), torch.zeros(2)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.reduce_scatter_tensor(pieces[0], torch.arange(3.0 * world) + rank)
+        dist.reduce_scatter_tensor(pieces[1], torch.arange(2.0 * world) * (rank + 1))
+    cm.wait()
+    keep("coalesced reduce_scatter_tensor", torch.cat(pieces))
+    sums = [torch.full((4,), float(rank)), torch.full((2,), float(rank * 3))]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in sums:
+            dist.all_reduce(t)
+    cm.wait()
+    keep("coalesced all_reduce", torch.cat(sums))
+    subgroup, _ = dist.new_subgroups(group_size=2 if world % 2 == 0 else world)
+    mine = torch.full((2,), float(rank + 1))
+    dist.all_reduce(mine, group=subgroup)
+    keep("new_subgroups all_reduce", mine)
     sparse = torch.sparse_coo_tensor(torch.tensor([[rank, 5]]), torch.tensor([1.0 + rank, 2.0]), (8,))
     dist.all_reduce(sparse)
     keep("sparse all_reduce", sparse.to_dense())
