@@ -276,7 +276,7 @@ class HetCCLGroup(BaseGroup):
             return {}
         return {peer: self.transports[peer] for peer in self.topology.lane_peers(lane) if peer != self.rank}
 
-    def _island_for(self, device: devices.Device, tensor: Optional[torch.Tensor] = None) -> IslandComm:
+    def _island_for(self, device: devices.Device) -> IslandComm:
         """This rank's island communicator for buffers on ``device`` (made on first use: every
         island rank makes it at the same op, since ranks of one island agree on the device)."""
         if device.kind not in self._islands:
@@ -290,8 +290,7 @@ class HetCCLGroup(BaseGroup):
                 prefix = f"{self._rendezvous.prefix}{island.name}/{device.kind}"
                 self._islands[device.kind] = make_island(
                     device, dist.PrefixStore(prefix, store), self.topology.local_rank(self.rank), island.size,
-                    self.options.timeout_s, self.border.address[0],
-                    tensor.device if tensor is not None and tensor.device.type != "cpu" else None)
+                    self.options.timeout_s, self.border.address[0], getattr(device, "device", None))
         return self._islands[device.kind]
 
     def border_stats(self) -> dict[str, Any]:
@@ -344,9 +343,7 @@ class HetCCLGroup(BaseGroup):
         device = devices.of(tensor) if tensor is not None else devices.HOST
         call = replace(call, device=device.code)
         with self._lock:
-            if self._broken is not None:
-                raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
-                                        f"({self._broken}); destroy and re-create it") from self._broken
+            self._raise_if_broken()
             if peer is None:
                 self._seq += 1
                 seq = self._seq
@@ -359,7 +356,7 @@ class HetCCLGroup(BaseGroup):
             if stream is not None:
                 stream.wait(caller.record())
             ctx = plans.PlanContext(self.topology, self.rank,
-                                    plans.LazyIsland(lambda: self._island_for(device, tensor)), self.border,
+                                    plans.LazyIsland(lambda: self._island_for(device)), self.border,
                                     Tag(OP_CODES[call.op], seq, dtype_code(call.dtype)),
                                     time.monotonic() + self.options.timeout_s, self._scratch, self._pipeline,
                                     self.options.piece_bytes, self.border.default, device, stream)
@@ -378,20 +375,26 @@ class HetCCLGroup(BaseGroup):
             if problem is not None:  # every rank saw every call and no user buffer changed: still usable
                 raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
 
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
+                                    f"({self._broken}); destroy and re-create it") from self._broken
+
     def _dispatch(self, ctx: plans.PlanContext, call: Call, seq: int, body: Optional[Callable], small: Optional[Callable],
                   peer: Optional[int], check: Optional[Callable], staged: Sequence[torch.Tensor],
                   before: Optional[Callable], after: Optional[Callable]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
         problem = None
+        by_round = small is not None and self._small(call)
         if before is not None:
             ctx.launch(before)
         if peer is not None or self.world_size == 1:
             if body is not None and call.numel:
                 body(ctx)
-        elif body is not None and check is None and self._fast_path(ctx.device, small is not None and self._small(call)):
+        elif body is not None and check is None and self._fast_path(ctx.device, by_round):
             if call.numel:
                 body(ctx)
-        elif small is not None and self._small(call):
+        elif by_round:
             problem = self._staged(ctx, small, replace(call, seq=seq), staged)
         else:
             if check is not None or self.options.check_calls or body is None:
@@ -630,7 +633,7 @@ class HetCCLGroup(BaseGroup):
         except HetCCLTimeoutError as exc:
             raise HetCCLTimeoutError(f"recv from any source in group '{self.group_name}' on rank {self.rank}: "
                                      f"{exc}") from None
-        self.recv(x.user, SimpleNamespace(src_rank=source))
+        self._p2p("recv", x, source)
         return source
 
     def _p2p_operand(self, op: str, tensor: Any, peer: int) -> tuple[Operand, int]:
@@ -640,8 +643,10 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLInputError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
         return x, peer
 
-    def _p2p(self, op: str, tensor: Any, peer: int, plan: Callable) -> None:
-        x, peer = self._p2p_operand(op, tensor, peer)
+    def _p2p(self, op: str, x: Operand, peer: int) -> None:
+        """A send or receive run to completion as one op (in the island library for device
+        tensors of island peers, over the border otherwise)."""
+        plan = plans.send if op == "send" else plans.recv
         self._run(Call(op, x.flat.dtype, x.numel), x.flat, lambda ctx: plan(ctx, x.flat, peer), peer=peer,
                   after=x.write_back if op == "recv" else None)
 
@@ -660,14 +665,10 @@ class HetCCLGroup(BaseGroup):
         completes whatever the sizes. Host tensors; device ones run :meth:`send`/:meth:`recv`."""
         x, peer = self._p2p_operand(op, tensor, peer)
         if not devices.of(x.flat).host or not x.numel:
-            self._run(Call(op, x.flat.dtype, x.numel), x.flat,
-                      lambda ctx: (plans.send if op == "send" else plans.recv)(ctx, x.flat, peer), peer=peer,
-                      after=x.write_back if op == "recv" else None)
+            self._p2p(op, x, peer)
             return lambda: None
         with self._lock:
-            if self._broken is not None:
-                raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
-                                        f"({self._broken}); destroy and re-create it") from self._broken
+            self._raise_if_broken()
             seq = self._next_p2p_seq(op, peer, tag)
             where = f"{op} #{seq & 0xFFFFFFFF} (tag {tag}) in group '{self.group_name}' on rank {self.rank}"
             mark = Tag(OP_CODES[op], seq, dtype_code(x.flat.dtype))
@@ -687,10 +688,10 @@ class HetCCLGroup(BaseGroup):
         return wait
 
     def send(self, tensor: Any, send_options: Any) -> None:
-        self._p2p("send", tensor, send_options.dst_rank, plans.send)
+        self._p2p("send", *self._p2p_operand("send", tensor, send_options.dst_rank))
 
     def recv(self, tensor: Any, recv_options: Any) -> None:
-        self._p2p("recv", tensor, recv_options.src_rank, plans.recv)
+        self._p2p("recv", *self._p2p_operand("recv", tensor, recv_options.src_rank))
 
     def destroy_group(self) -> None:
         """Close the border, the island communicators and the progress thread; drop KV records."""

@@ -532,7 +532,7 @@ def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]]
         offset += view.numel()
 
 
-def _by_island(ctx: PlanContext, buf: torch.Tensor, peer: int) -> bool:
+def _by_island(ctx: PlanContext, peer: int) -> bool:
     """Whether a message to ``peer`` goes through the island library: device tensors to an
     island peer do; CPU tensors take the border's socket (one hop, cheaper than Gloo's P2P)."""
     same = ctx.topo.island_of(peer) == ctx.my_island
@@ -541,7 +541,7 @@ def _by_island(ctx: PlanContext, buf: torch.Tensor, peer: int) -> bool:
 
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     """Vendor P2P inside an island, the border otherwise."""
-    if _by_island(ctx, buf, peer):
+    if _by_island(ctx, peer):
         ctx.island.send(buf, ctx.topo.local_rank(peer))
     else:
         ctx.exchange(sends=[(peer, buf)], recvs=[])
@@ -549,7 +549,7 @@ def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
 
 def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     """Counterpart of :func:`send`."""
-    if _by_island(ctx, buf, peer):
+    if _by_island(ctx, peer):
         ctx.island.recv(buf, ctx.topo.local_rank(peer))
     else:
         ctx.exchange(sends=[], recvs=[(peer, buf)])

@@ -112,13 +112,15 @@ class HetCCLProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def _async(self, result: object, fn: Callable[[], object]) -> "dist.Work":
+    def _async(self, result: object, fn: Callable[[], object], posted: bool = False) -> "dist.Work":
         """Run ``fn`` on the group's thread; device tensors in ``result`` order it after the
-        caller's current stream (captured now, on the calling thread)."""
+        caller's current stream (captured now, on the calling thread). ``posted``: ``fn`` only
+        posts transfers and returns their waits, which run after it (the Work is done then)."""
         first = next((t for t in _tensors(result) if isinstance(t, torch.Tensor)), None)
         device = devices.of(first) if first is not None else devices.HOST
         caller = device.current_stream()
         work = _Work(device)
+        work.posted = posted
 
         def run() -> None:
             try:
@@ -134,6 +136,8 @@ class HetCCLProcessGroup(dist.ProcessGroup):
 
         def complete() -> None:
             try:
+                for wait in work.returned if posted else ():
+                    wait()
                 if work.done is not None:
                     work.done.synchronize(time.monotonic() + self.group.options.timeout_s, "hetccl work")
                 work.future.set_result(result)
@@ -256,33 +260,8 @@ class HetCCLProcessGroup(dist.ProcessGroup):
     def _posted(self, tensors: Sequence[torch.Tensor], op: str, peer: int, tag: int) -> "dist.Work":
         """isend/irecv: posted in call order on the group's thread without waiting for the
         transfer (so batch_isend_irecv of every rank to every other completes); done when
-        transferred. Device tensors run as ordered ops."""
-        if any(not devices.of(t).host for t in tensors):
-            return self._async(tensors, lambda: [(self.group.send if op == "send" else self.group.recv)(
-                t, SimpleNamespace(dst_rank=peer, src_rank=peer)) for t in tensors])
-        work = _Work(devices.HOST)
-        work.posted = True
-
-        def post() -> None:
-            try:
-                waits = [self.group.post_p2p(op, t, peer, tag) for t in tensors]
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                work.launched.set_exception(exc)
-                work.future.set_exception(exc)
-                return
-            work.launched.set_result(None)
-            self._completer.submit(finish, waits)
-
-        def finish(waits) -> None:
-            try:
-                for wait in waits:
-                    wait()
-                work.future.set_result(tensors)
-            except BaseException as exc:  # noqa: BLE001
-                work.future.set_exception(exc)
-
-        self._worker.submit(post)
-        return work
+        transferred. Device tensors run as ordered ops (``post_p2p`` runs them whole)."""
+        return self._async(tensors, lambda: [self.group.post_p2p(op, t, peer, tag) for t in tensors], posted=True)
 
     # torch.distributed's newer names for the same ops
     all_gather_single = _allgather_base

@@ -10,12 +10,18 @@ import contextlib
 import time
 
 import numpy as np
+import pytest
 import torch
 from ray.util import collective as col
 from ray.util.collective.types import ReduceOp
 
 import hetccl_ray
+from hetccl_ray.collective.island import nccl_available
 
+NEEDS_GPU = pytest.mark.skipif(
+    not nccl_available(),
+    reason=f"needs one NVIDIA or AMD GPU with NCCL/RCCL (torch {torch.__version__}: cuda available="
+           f"{torch.cuda.is_available()}, nccl={torch.distributed.is_nccl_available()})")
 N = 4099  # odd, so lane and rank splits are uneven
 
 

@@ -8,14 +8,10 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.collective.island import nccl_available
 from hetccl_ray.local_cluster import LocalCluster
-from tests.hw.ops import every_op
+from tests.hw.ops import NEEDS_GPU, every_op
 
-pytestmark = pytest.mark.skipif(
-    not nccl_available(),
-    reason=f"needs one NVIDIA or AMD GPU with NCCL/RCCL (torch {torch.__version__}: cuda available="
-           f"{torch.cuda.is_available()}, nccl={torch.distributed.is_nccl_available()})")
+pytestmark = NEEDS_GPU
 
 
 @pytest.mark.parametrize("compress", ["auto", "on"])

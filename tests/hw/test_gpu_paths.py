@@ -11,15 +11,11 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.collective.island import nccl_available
 from hetccl_ray.local_cluster import LocalCluster
 from tests import torch_workers
-from tests.hw.ops import staging_bound_s, timed_ops
+from tests.hw.ops import NEEDS_GPU, staging_bound_s, timed_ops
 
-pytestmark = pytest.mark.skipif(
-    not nccl_available(),
-    reason=f"needs one NVIDIA or AMD GPU with NCCL/RCCL (torch {torch.__version__}: cuda available="
-           f"{torch.cuda.is_available()}, nccl={torch.distributed.is_nccl_available()})")
+pytestmark = NEEDS_GPU
 
 BIG = 4 << 20  # float32 elements: 16 MiB, four 4 MiB pieces
 
