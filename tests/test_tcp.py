@@ -115,7 +115,7 @@ def _flood(address, count: int, held: list) -> None:
 
     for k in range(count):
         try:
-            sock = socket.create_connection(address, timeout=5)
+            sock = socket.create_connection(address, timeout=1)
         except OSError:
             continue
         kind = k % 3
@@ -134,7 +134,8 @@ def test_a_flood_of_strangers_costs_no_threads_and_real_peers_still_connect():
     held: list = []
     try:
         threads_before = threading.active_count()
-        flooders = [threading.Thread(target=_flood, args=(borders[2].address, 700, held)) for _ in range(3)]
+        flooders = [threading.Thread(target=_flood, args=(borders[2].address, 700, held), daemon=True)
+                    for _ in range(3)]
         for flooder in flooders:
             flooder.start()
         most_threads = threads_before
@@ -147,7 +148,9 @@ def test_a_flood_of_strangers_costs_no_threads_and_real_peers_still_connect():
                 np.testing.assert_array_equal(out.numpy(), data.numpy())
             most_threads = max(most_threads, threading.active_count())
         for flooder in flooders:
-            flooder.join()
+            flooder.join(timeout=60)
+            assert not flooder.is_alive(), "the listener stopped accepting during the flood"
+        assert borders[2]._acceptor.is_alive()
         most_threads = max(most_threads, threading.active_count())
         assert most_threads <= threads_before + 3 + 1  # the flooders and _both's waiter, nothing per connection
         assert borders[2].rejected >= 2 * 2100 // 3 - 64  # garbage and wrong proofs refused; idle ones time out

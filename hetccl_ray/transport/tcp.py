@@ -616,10 +616,15 @@ class TcpBorder(ByteCounter):
         try:
             while not self._closed:
                 for key, _ in selector.select(timeout=_POLL_S * 4):
-                    if key.fileobj is self._listener:
-                        self._accept_some(selector, pending)
-                    else:
-                        self._handshake_step(selector, pending, key.fileobj)
+                    try:
+                        if key.fileobj is self._listener:
+                            self._accept_some(selector, pending)
+                        else:
+                            self._handshake_step(selector, pending, key.fileobj)
+                    except Exception:  # noqa: BLE001 - one connection's fault must not stop accepting
+                        logger.exception("hetccl border rank %d: handshake step failed", self.rank)
+                        if key.fileobj in pending:
+                            self._refuse(selector, pending, key.fileobj, "handshake step failed")
                 now = time.monotonic()
                 for sock, shake in list(pending.items()):
                     if shake.complete and self._ready.is_set():
@@ -657,7 +662,9 @@ class TcpBorder(ByteCounter):
 
     def _handshake_step(self, selector: selectors.BaseSelector, pending: dict, sock: socket.socket) -> None:
         """Read what the connection sent; admit it once its proof holds the group's secret."""
-        shake = pending[sock]
+        shake = pending.get(sock)
+        if shake is None:
+            return  # dropped earlier in this select round (over the cap): its event is stale
         try:
             if not shake.complete:
                 k = sock.recv_into(shake.view[shake.got:])
