@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import ray
 
 from hetccl_ray.topology import ISLAND_LABEL
+
+if TYPE_CHECKING:
+    from hetccl_ray.cpu_quota import CpuQuota
 
 REPO = str(Path(__file__).resolve().parent.parent)
 
@@ -67,27 +70,56 @@ class LocalCluster:
     """Context manager: a local multi-node Ray cluster whose nodes are labelled islands."""
 
     def __init__(self, islands: Sequence[str], cpus_per_node: int = 1, env: Optional[dict] = None,
-                 gpus: Optional[dict[str, int]] = None) -> None:
-        """``gpus``: island -> GPUs its node offers (the host's real GPUs; default none)."""
+                 gpus: Optional[dict[str, int]] = None, cpu_quota: Optional[dict[str, Optional[float]]] = None,
+                 pin_cores: bool = False) -> None:
+        """``gpus``: island -> GPUs its node offers (the host's real GPUs; default none).
+        ``cpu_quota``: island -> CPUs of time its node's processes get (None: no limit); when
+        given, every island's node runs in a cgroup of its own, so :attr:`quotas` can slow
+        any of them later (cpu_quota.py: a simulated slow island, real CPU time).
+        ``pin_cores``: island i's node runs on core i (modulo the cores there are), so one
+        island's work does not take another's CPU time."""
         self.islands = list(dict.fromkeys(islands))
         self.gpus = dict(gpus or {})
         self.cpus_per_node = cpus_per_node
         self.env = env or {}
         self.cluster = None
+        self.cpu_quota = cpu_quota
+        self.pin_cores = pin_cores
+        self.quotas: dict[str, "CpuQuota"] = {}
 
     def __enter__(self) -> "LocalCluster":
         from ray.cluster_utils import Cluster
 
         os.environ["RAY_AUTH_MODE"] = "disabled"
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        for name in self.islands:
-            self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus.get(name, 0),
-                                  labels={ISLAND_LABEL: name})
+        for i, name in enumerate(self.islands):
+            node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus.get(name, 0),
+                                         labels={ISLAND_LABEL: name})
+            raylet = node.all_processes["raylet"][0].process.pid
+            if self.cpu_quota is not None:
+                self._slow(name, raylet)
+            if self.pin_cores:
+                from hetccl_ray.cpu_quota import pin
+
+                pin(raylet, [i % os.cpu_count()])
         env_vars = {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
             p for p in (REPO, os.environ.get("PYTHONPATH")) if p), **self.env}
         ray.init(address=self.cluster.address, namespace="hetccl", log_to_driver=False, runtime_env={
             "worker_process_setup_hook": "hetccl_ray.setup_worker", "env_vars": env_vars})
         return self
+
+    def _slow(self, name: str, raylet_pid: int) -> None:
+        """Put the island's raylet and what it started under a quota group: the workers it
+        starts later are its children and inherit the group."""
+        import psutil
+
+        from hetccl_ray.cpu_quota import CpuQuota
+
+        quota = self.quotas[name] = CpuQuota(name)
+        quota.set(self.cpu_quota.get(name))
+        raylet = psutil.Process(raylet_pid)
+        for process in [raylet, *raylet.children(recursive=True)]:
+            quota.add(process.pid)
 
     def workers(self, island_of_rank: Sequence[str]) -> list:
         """One actor per rank, on the node of its island."""
@@ -97,3 +129,5 @@ class LocalCluster:
         ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+        for quota in self.quotas.values():
+            quota.close()

@@ -103,3 +103,12 @@ def test_notebook_runs(tmp_path):
     os.environ.update(HETCCL_NB_MAX="256K", HETCCL_NB_RATE="500mbit", HETCCL_NB_PLOT=str(tmp_path / "bw.png"))
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     assert (tmp_path / "bw.png").stat().st_size > 10_000
+
+
+def test_balance_notebook_plots_the_benchmark(tmp_path):
+    notebook = nbformat.read(REPO / "notebooks" / "balanced.ipynb", as_version=4)
+    os.environ["HETCCL_NB_PLOT"] = str(tmp_path / "balance.png")
+    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    assert (tmp_path / "balance.png").stat().st_size > 10_000
+    printed = "".join(out.get("text", "") for out in notebook.cells[1].outputs)
+    assert "slowed even" in printed and "slowed auto" in printed

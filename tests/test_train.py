@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from examples import train_ddp_mixed, train_moe_mixed  # the examples are the tests' workloads
+from examples import train_balanced_mixed, train_ddp_mixed, train_moe_mixed  # the tests' workloads
+from hetccl_ray import cpu_quota
 from hetccl_ray.local_cluster import LocalCluster
 
 ISLANDS = ["nvidia", "nvidia", "amd"]
@@ -13,7 +14,8 @@ ISLANDS = ["nvidia", "nvidia", "amd"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(ISLANDS) as running:
+    # each island's node in a CPU quota group of its own where cgroups allow (no limit until a test sets one)
+    with LocalCluster(ISLANDS, cpu_quota=None if cpu_quota.unavailable() else {}) as running:
         yield running
 
 
@@ -36,3 +38,32 @@ def test_moe_alltoall_matches_one_process(cluster):
     means = [np.mean(per_rank) for per_rank in losses]
     assert np.mean(means[-3:]) < 0.5 * np.mean(means[:3]), means
     assert sorted(result.metrics["islands"]) == ["amd", "nvidia"]
+
+
+@pytest.mark.skipif(cpu_quota.unavailable() is not None,
+                    reason=f"a simulated slow island needs cgroup CPU quotas: {cpu_quota.unavailable()}")
+def test_balanced_trainer_is_exact_and_gives_the_slow_island_less(cluster):
+    config = dict(steps=16, global_batch=128, width=256, features=64, dataset=128 * 4, params=True)
+    cluster.quotas["amd"].set(0.3)  # island "amd" at under a third of a CPU: real CPU time taken away
+    try:
+        result = train_balanced_mixed.fit(["nvidia", "amd"], balance="auto", every=3, cluster=cluster, **config)
+    finally:
+        cluster.quotas["amd"].set(None)
+    histories, islands = result.metrics["histories"], result.metrics["islands"]
+    assert all(history == histories[0] for history in histories)  # every rank computed the same shares
+    assert len(histories[0]) > 1, histories[0]  # re-balanced at least once: exactness across a change
+    final = result.metrics["balance"]["shares"]
+    assert final[islands.index("nvidia")] > final[islands.index("amd")], result.metrics["checks"]
+    want = train_balanced_mixed.reference(config)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.array(result.metrics["params"][name]), value, rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_balance_settings_are_checked_where_the_config_is_made():
+    from hetccl_ray.collective.train import HetCCLTorchConfig
+
+    with pytest.raises(ValueError, match="balance='sometimes'"):
+        HetCCLTorchConfig(balance="sometimes")
+    with pytest.raises(ValueError, match="rebalance every 0 steps"):
+        HetCCLTorchConfig(balance="auto", rebalance_every=0)

@@ -253,3 +253,88 @@ def _map(value: Any, leaf: Callable) -> Any:
     if isinstance(value, dict):
         return {k: _map(v, leaf) for k, v in value.items()}
     return leaf(value)
+
+
+BALANCED_SHARES, BALANCED_CHANGE, BALANCED_BATCH, BALANCED_DATA = [5, 2, 9], [3, 8, 5], 16, 64
+
+
+def balanced_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(BALANCED_DATA, 8, generator=g), torch.randn(BALANCED_DATA, 4, generator=g)
+
+
+def balanced_reference() -> list[torch.Tensor]:
+    """Plain SGD on each step's whole global batch in one process."""
+    from hetccl_ray.balance import global_batch_indices
+
+    x, y = balanced_data()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        idx = torch.from_numpy(global_batch_indices(step, BALANCED_DATA, BALANCED_BATCH, seed=0))
+        loss = ((model(x[idx]) - y[idx]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def balanced(rank: int, world: int, how: str = "ddp") -> dict[str, Any]:
+    """Unequal fixed shares, changed after step 2 (set_shares): DDP through the Balancer's
+    weighting hook ("ddp"), FSDP with the loss scaled by ``loss_weight`` ("fsdp"), or DDP
+    without either ("plain": what the weighting corrects)."""
+    fsdp = how == "fsdp"
+    from hetccl_ray.collective.balanced import Balancer
+
+    x, y = balanced_data()
+    model = make_model()
+    bal = Balancer(BALANCED_BATCH, balance_mode="even", shares=BALANCED_SHARES)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        trained = model
+    else:
+        trained = nn.parallel.DistributedDataParallel(model)
+        if how == "ddp":
+            bal.wrap(trained)
+    opt = torch.optim.SGD(trained.parameters(), lr=LR)
+    local = []
+    for step in range(STEPS):
+        if step == 2:
+            bal.set_shares(BALANCED_CHANGE)
+        idx = bal.indices(step, BALANCED_DATA)
+        local.append(len(idx))
+        loss = ((trained(x[idx]) - y[idx]) ** 2).mean()
+        opt.zero_grad()
+        (loss * bal.loss_weight if fsdp else loss).backward()
+        opt.step()
+        bal.step()
+    params = [p.full_tensor() if fsdp else p for p in model.parameters()]
+    return {"params": [p.detach().clone() for p in params], "local": local, "history": bal.history}
+
+
+def balanced_cases(rank: int, world: int) -> dict[str, Any]:
+    """Every balanced-training case in one process group (one spawn for the test module)."""
+    return {"ddp": balanced(rank, world, "ddp"), "fsdp": balanced(rank, world, "fsdp"),
+            "plain": balanced(rank, world, "plain"), "misuse": balanced_misuse(rank, world)}
+
+
+def balanced_misuse(rank: int, world: int) -> dict[str, str]:
+    """Calls a Balancer must refuse, each with its message."""
+    from hetccl_ray.collective.balanced import Balancer
+
+    out = {}
+    for name, call in {
+        "small batch": lambda: Balancer(world - 1),
+        "bad sum": lambda: Balancer(10, shares=[1] * world),
+        "bad mode": lambda: Balancer(10, balance_mode="fastest"),
+        "untimed auto step": lambda: Balancer(10, balance_mode="auto").step(),
+        "shares differ": lambda: Balancer(12, balance_mode="even").set_shares([4 + rank, 4, 4 - rank]),
+    }.items():
+        try:
+            call()
+            out[name] = "no error"
+        except (ValueError, RuntimeError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
