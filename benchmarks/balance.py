@@ -8,7 +8,9 @@ simulated slow island, real CPU time). The model (examples/train_balanced_mixed.
 of width 512, global batch 4096) makes compute most of a step, as in real training. Parts:
 - slowed: "slow" at SLOW_CORES; even and balanced alternate for ROUNDS rounds;
 - moved: balanced; at step MOVE_AT the quota moves from "slow" to "fast";
-- equal: no quota; even and balanced alternate (what balancing costs when nothing is slow).
+- equal: no quota; plain DDP and balanced DDP ("auto") trained in one run, step by step in
+  alternating order (what balancing costs when nothing is slow; run-to-run noise here is
+  20-30%, so separate runs cannot show a 3% cost).
 Step time is the mean interval between steps after WARMUP steps (throughput, every
 collective and the loss all-reduce included). Writes balance.csv and balance.png here.
 """
@@ -66,6 +68,58 @@ def compare(cluster: LocalCluster, part: str, quota: dict) -> tuple[list[dict], 
     return rows, {mode: statistics.median(t) for mode, t in times.items()}
 
 
+def alternating_loop(config: dict) -> None:
+    """Plain DDP and balanced DDP on the same data in one process group, their steps
+    alternating (order swapped every step); each step ends with the loss all-reduce."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from hetccl_ray import balance
+    from hetccl_ray.collective.balanced import Balancer
+
+    config = {**example.DEFAULTS, **config}
+    torch.set_num_threads(1)
+    x, y = example.dataset(config)
+    models = {mode: nn.parallel.DistributedDataParallel(example.make_model(config)) for mode in ("even", "auto")}
+    bal = Balancer(config["global_batch"], balance_mode="auto", seed=config["seed"])
+    bal.wrap(models["auto"])
+    even = balance.even_shares(config["global_batch"], dist.get_world_size())
+    opts = {mode: torch.optim.SGD(model.parameters(), lr=config["lr"]) for mode, model in models.items()}
+    times: dict[str, list[float]] = {"even": [], "auto": []}
+    for step in range(config["steps"]):
+        for mode in (("even", "auto") if step % 2 == 0 else ("auto", "even")):
+            started = time.perf_counter()
+            idx = (bal.indices(step, len(x)) if mode == "auto"
+                   else torch.from_numpy(balance.rank_indices(even, dist.get_rank(), step, len(x), config["seed"])))
+            loss = ((models[mode](x[idx]) - y[idx]) ** 2).mean()
+            opts[mode].zero_grad()
+            loss.backward()
+            opts[mode].step()
+            if mode == "auto":
+                bal.step()
+            dist.all_reduce(torch.tensor([loss.item()]))
+            times[mode].append(time.perf_counter() - started)
+    example.report({"times": times, "shares": bal.shares}, models["auto"].module, last=True)
+
+
+def equal_cost(cluster: LocalCluster) -> tuple[list[dict], dict[str, float]]:
+    """The equal part: rows per step and mode, and each mode's mean step after warm-up."""
+    from hetccl_ray.collective.train import labelled_trainer
+
+    for island in cluster.quotas:
+        cluster.quotas[island].set(None)
+    result = labelled_trainer(alternating_loop, example.ISLANDS, {"steps": WARMUP + 2 * MEASURED},
+                              balance="auto", rebalance_every=5).fit()
+    times = result.metrics["times"]
+    rows = [{"part": "equal", "mode": mode, "round": 0, "step": step, "step_s": t}
+            for mode, steps in times.items() for step, t in enumerate(steps)]
+    print(f"  equal alternating: final shares {result.metrics['shares']}", flush=True)
+    return rows, {mode: statistics.mean(steps[WARMUP:]) for mode, steps in times.items()}
+
+
 def main() -> None:
     global ROUNDS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,7 +134,7 @@ def main() -> None:
         followed = next((r["step"] - MOVE_AT for r in moved[MOVE_AT:] if r["share_slow"] > r["share_fast"]), None)
         after = mean_step(moved, MOVE_AT + 25)
         print("equal: no quota", flush=True)
-        equal, equal_s = compare(cluster, "equal", {"fast": None, "slow": None})
+        equal, equal_s = equal_cost(cluster)
     rows = slowed + moved + equal
     with open(HERE / "balance.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))

@@ -87,12 +87,17 @@ def train_loop(config: dict) -> None:
             if last:
                 metrics["histories"] = [None] * dist.get_world_size()  # each rank's own view of the shares
                 dist.all_gather_object(metrics["histories"], bal.history)
-            with tempfile.TemporaryDirectory() as folder:
-                # Ray Train keeps the metrics of reports that carry a checkpoint: the last one does
-                if last and rank == 0:
-                    torch.save(model.module.state_dict(), f"{folder}/model.pt")
-                checkpoint = ray.train.Checkpoint.from_directory(folder) if last and rank == 0 else None
-                ray.train.report(metrics, checkpoint=checkpoint)
+            report(metrics, model.module, last)
+
+
+def report(metrics: dict, model: nn.Module, last: bool) -> None:
+    """``ray.train.report``; the last carries rank 0's weights as a checkpoint, because Ray
+    Train keeps the metrics of reports that carry one."""
+    with tempfile.TemporaryDirectory() as folder:
+        keep = last and dist.get_rank() == 0
+        if keep:
+            torch.save(model.state_dict(), f"{folder}/model.pt")
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if keep else None)
 
 
 def reference(config: dict) -> dict[str, np.ndarray]:
