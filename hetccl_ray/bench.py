@@ -466,6 +466,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="write the results here")
     p.add_argument("--timeout", type=float, default=120.0, help="group deadline, seconds")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--explain", action="store_true",
+                   help="print each op's plan for the layout and sizes (steps, border bytes) without a cluster")
     p.add_argument("--demo", action="store_true",
                    help="the README demo: every op on 2x2 with --vs gloo, small sizes, under a minute")
     return p
@@ -505,6 +507,8 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
     spec = BenchSpec(_ops(args.op), sweep(args.minbytes, args.maxbytes, args.stepfactor), args.datatype,
                      args.warmup_iters, args.iters, args.vs == "gloo", _modes(args.compress), args.data)
     islands = island_names(parse_layout(args.layout), args.interleave)
+    if args.explain:
+        return _explain(spec, islands)
     frame = pd.concat([_bench_once(args, spec, islands, rate) for rate in rates], ignore_index=True)
     if args.csv:
         frame.to_csv(args.csv, index=False)
@@ -512,6 +516,20 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
     if frame["wrong"].sum():
         raise SystemExit(f"hetccl-bench: {int(frame['wrong'].sum())} wrong elements")
     return frame
+
+
+def _explain(spec: BenchSpec, islands: list[str]) -> pd.DataFrame:
+    """``--explain``: the hierarchical plan of every planned op and size, printed."""
+    from hetccl_ray.collective import schedule
+    from hetccl_ray.plan import explain
+
+    topo = Topology.from_islands(islands)
+    itemsize = torch.tensor([], dtype=getattr(torch, spec.dtype)).element_size()
+    for op in spec.ops:
+        for size in spec.sizes:
+            print("\n".join(explain(topo, op, size, itemsize)) if op in schedule.OPS
+                  else f"{op} of {size:,} B: no hierarchical plan (point to point or routes.py)", end="\n\n")
+    return pd.DataFrame()
 
 
 def _demo_shaped_rate() -> list[str]:

@@ -8,7 +8,12 @@ class HetCCLError(RuntimeError):
 
 
 class HetCCLTimeoutError(HetCCLError, TimeoutError):
-    """A wait passed its deadline: a peer did not arrive or did not send."""
+    """A wait passed its deadline: a peer did not arrive or did not send. ``waiting_for``:
+    the rank waited for, where one transfer was."""
+
+    def __init__(self, message: str = "", waiting_for: "int | None" = None) -> None:
+        super().__init__(message)
+        self.waiting_for = waiting_for
 
 
 class HetCCLPeerError(HetCCLError):

@@ -126,6 +126,14 @@ class Topology:
         """Group ranks listed island by island: the layout plans use for per-rank chunks."""
         return [rank for island in self.islands for rank in island.ranks]
 
+    def regions(self, chunk: int) -> list[tuple[int, int]]:
+        """(offset, length) of each island's chunks in an island-major buffer of one chunk per rank."""
+        spans, offset = [], 0
+        for island in self.islands:
+            spans.append((offset, island.size * chunk))
+            offset += island.size * chunk
+        return spans
+
     def describe(self) -> str:
         """One line a person can read: islands, their ranks and the lane count."""
         parts = [f"{island.name}{list(island.ranks)}" for island in self.islands]

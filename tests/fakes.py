@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from hetccl_ray.collective.island import ranges
-from hetccl_ray.collective.plans import PlanContext
+from hetccl_ray.collective.runner import PlanContext
 from hetccl_ray.collective.reduction import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 from hetccl_ray.topology import Topology

@@ -29,6 +29,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
 
 from hetccl_ray import devices
 from hetccl_ray.collective import costs, plans, tree
+from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import OP_CODES, Call
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
@@ -136,7 +137,7 @@ class HetCCLGroup(BaseGroup):
         self._seq = 0
         self._p2p_seq: dict[tuple, int] = defaultdict(int)
         self._broken: Optional[BaseException] = None
-        self._scratch = plans.ScratchPool()
+        self._scratch = ScratchPool()
         self._pipeline = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-pipeline-{rank}")
         self._islands: dict[str, IslandComm] = {}
         self._streams: dict[devices.Device, devices.StreamLike] = {}
@@ -311,9 +312,9 @@ class HetCCLGroup(BaseGroup):
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
-    def _run(self, call: Call, tensor: Optional[torch.Tensor], body: Optional[Callable[[plans.PlanContext], Any]],
+    def _run(self, call: Call, tensor: Optional[torch.Tensor], body: Optional[Callable[[PlanContext], Any]],
              small: Optional[Callable[..., Optional[str]]] = None, peer: Optional[int] = None,
-             check: Optional[Callable[[plans.PlanContext, Call], Optional[str]]] = None,
+             check: Optional[Callable[[PlanContext, Call], Optional[str]]] = None,
              staged: Sequence[torch.Tensor] = (), before: Optional[Callable[[], None]] = None,
              after: Optional[Callable[[], None]] = None) -> None:
         """Run one op under the group's sequence number, deadline, error state and stream order.
@@ -355,7 +356,7 @@ class HetCCLGroup(BaseGroup):
             caller, stream = device.current_stream(), self._stream_of(device)
             if stream is not None:
                 stream.wait(caller.record())
-            ctx = plans.PlanContext(self.topology, self.rank,
+            ctx = PlanContext(self.topology, self.rank,
                                     plans.LazyIsland(lambda: self._island_for(device)), self.border,
                                     Tag(OP_CODES[call.op], seq, dtype_code(call.dtype)),
                                     time.monotonic() + self.options.timeout_s, self._scratch, self._pipeline,
@@ -380,7 +381,7 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
                                     f"({self._broken}); destroy and re-create it") from self._broken
 
-    def _dispatch(self, ctx: plans.PlanContext, call: Call, seq: int, body: Optional[Callable], small: Optional[Callable],
+    def _dispatch(self, ctx: PlanContext, call: Call, seq: int, body: Optional[Callable], small: Optional[Callable],
                   peer: Optional[int], check: Optional[Callable], staged: Sequence[torch.Tensor],
                   before: Optional[Callable], after: Optional[Callable]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
@@ -419,7 +420,7 @@ class HetCCLGroup(BaseGroup):
             self._streams[device] = device.new_stream()
         return self._streams[device]
 
-    def _staged(self, ctx: plans.PlanContext, small: Callable[..., Optional[str]], call: Call,
+    def _staged(self, ctx: PlanContext, small: Callable[..., Optional[str]], call: Call,
                 staged: Sequence[torch.Tensor]) -> Optional[str]:
         """The small round on host copies of device buffers (as is for host ones): wait for the
         stream, copy down, run the round, launch the copies back up."""
@@ -454,9 +455,8 @@ class HetCCLGroup(BaseGroup):
             self._progress.publish()
             missing = [r for r in self._progress.behind(self.world_size, seq) if r != self.rank]
         arrival = f"ranks that did not arrive: {missing}"
-        if isinstance(exc, HetCCLTimeoutError) or "Timed out" in text or "timed out" in text:
-            waiting = getattr(exc, "waiting_for", None)
-            detail = f"; waiting for rank {waiting}" if waiting is not None else ""
+        if isinstance(exc, HetCCLTimeoutError):
+            detail = f"; waiting for rank {exc.waiting_for}" if exc.waiting_for is not None else ""
             return HetCCLTimeoutError(f"{where} timed out after {self.options.timeout_s:.1f}s (Timed out waiting "
                                       f"for peers; timeout {self.options.timeout_s:.0f} s); {arrival}{detail} ({text})")
         return HetCCLPeerError(f"{where} failed: {text}; {arrival}")
@@ -552,7 +552,7 @@ class HetCCLGroup(BaseGroup):
             for slot, rank in enumerate(order):
                 copy(buf[slot * n:(slot + 1) * n], inputs[rank].flat)
 
-        def body(ctx: plans.PlanContext) -> None:
+        def body(ctx: PlanContext) -> None:
             mine = plans.reducescatter(ctx, buf, op)
             ctx.launch(copy, out.flat, mine)
 
@@ -578,7 +578,7 @@ class HetCCLGroup(BaseGroup):
         mine = [t.numel() for t in inputs] + [t.numel() for t in outputs]
         agreed = {"counts": [[mine[0]]]}  # a group of one: nothing to agree with
 
-        def check(ctx: plans.PlanContext, call: Call) -> Optional[str]:
+        def check(ctx: PlanContext, call: Call) -> Optional[str]:
             problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine)
             return problem
 

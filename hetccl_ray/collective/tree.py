@@ -27,6 +27,7 @@ import torch
 from hetccl_ray.collective import routes
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement
 from hetccl_ray.collective.reduction import combine, copy
+from hetccl_ray.collective.runner import view
 from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
 
@@ -241,13 +242,12 @@ def allgather(ctx, call: Call, buf: torch.Tensor) -> Optional[str]:
     order = topo.island_major_order()
     chunk = buf.numel() // topo.world_size
     slot = {rank: order.index(rank) for rank in range(topo.world_size)}
-    starts = {island.index: slot[island.ranks[0]] * chunk for island in topo.islands}
-    sizes = {island.index: island.size * chunk for island in topo.islands}
+    regions = topo.regions(chunk)
     out = ctx.scratch.get("tree-total", buf.numel(), buf)
     state = {}
 
     def region(j: int) -> torch.Tensor:
-        return out[starts[j]:starts[j] + sizes[j]]
+        return view(out, regions[j])
 
     def land_up(got):
         copy(out, buf)
@@ -258,7 +258,7 @@ def allgather(ctx, call: Call, buf: torch.Tensor) -> Optional[str]:
         for j, part in got:
             copy(region(j), part)
 
-    shape = Shape(lambda r: chunk, lambda i, j: sizes[i], lambda r: buf.numel(),
+    shape = Shape(lambda r: chunk, lambda i, j: regions[i][1], lambda r: buf.numel(),
                   lambda: buf[slot[ctx.rank] * chunk:(slot[ctx.rank] + 1) * chunk], land_up,
                   lambda j: region(ctx.my_island.index), land_across, lambda r: out,
                   lambda got: state.update(result=got), lambda: copy(buf, state.get("result", out)))
@@ -272,14 +272,13 @@ def reducescatter(ctx, call: Call, buf: torch.Tensor, out: torch.Tensor, op: str
     order = topo.island_major_order()
     chunk = out.numel()
     slot = {rank: order.index(rank) for rank in range(topo.world_size)}
-    starts = {island.index: slot[island.ranks[0]] * chunk for island in topo.islands}
-    sizes = {island.index: island.size * chunk for island in topo.islands}
+    regions = topo.regions(chunk)
     partial = ctx.scratch.get("tree-partial", buf.numel(), buf)
-    total = ctx.scratch.get("tree-total", sizes[ctx.my_island.index], buf)
+    total = ctx.scratch.get("tree-total", regions[ctx.my_island.index][1], buf)
     state = {}
 
     def region(j: int) -> torch.Tensor:
-        return partial[starts[j]:starts[j] + sizes[j]]
+        return view(partial, regions[j])
 
     def land_up(got):
         _fold(partial, [buf] + [part for _, part in got], op)
@@ -291,7 +290,7 @@ def reducescatter(ctx, call: Call, buf: torch.Tensor, out: torch.Tensor, op: str
         at = (slot[rank] - slot[ctx.rank]) * chunk
         return total[at:at + chunk]
 
-    shape = Shape(lambda r: buf.numel(), lambda i, j: sizes[j], lambda r: chunk, lambda: buf, land_up, region,
+    shape = Shape(lambda r: buf.numel(), lambda i, j: regions[j][1], lambda r: chunk, lambda: buf, land_up, region,
                   land_across, down, lambda got: state.update(result=got),
                   lambda: copy(out, state["result"] if "result" in state else down(ctx.rank)))
     return round_trip(ctx, call, buf, shape)

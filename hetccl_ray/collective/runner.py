@@ -1,0 +1,229 @@
+"""The one runner of plans: what an op runs with, and the mechanics every plan shares.
+
+``PlanContext`` holds one op's rank, island communicator, border, deadline, stream and
+scratch; ``execute`` runs a ``schedule.Plan`` over a flat buffer; ``pipelined`` overlaps
+each piece's border stage (on the group's pipeline thread) with the island stages of the
+pieces before and after it, for every plan (the all-to-all's too). Imports no Ray.
+
+Device tensors (devices.py): island ops and reductions are device work launched on the op's
+stream (``ctx.launch``); a border step first waits for that stream (``ctx.host_wait``), and
+until the plan launches again the host may read and write the buffers itself.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from hetccl_ray.collective.calls import all_host
+from hetccl_ray.collective.island import IslandComm
+from hetccl_ray.collective.reduction import combine
+from hetccl_ray.collective.schedule import BorderStep, IslandStep, Plan, Span
+from hetccl_ray.devices import HOST, Device, StreamLike
+from hetccl_ray.errors import HetCCLTimeoutError
+from hetccl_ray.topology import Topology
+from hetccl_ray.transport.base import Border, Handle, Tag
+
+
+class ScratchPool:
+    """Buffers kept between calls (fresh memory is slow to touch): the one get-or-grow."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def _grown(self, key: tuple, n: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = make(n)
+        return buf[:n]
+
+    def get(self, slot: object, n: int, like: torch.Tensor) -> torch.Tensor:
+        """``n`` elements of ``like``'s dtype on its device."""
+        return self._grown((slot, like.dtype, like.device), n,
+                           lambda size: torch.empty(size, dtype=like.dtype, device=like.device))
+
+    def host(self, slot: object, like: torch.Tensor, device: Device) -> torch.Tensor:
+        """Host memory for a copy of ``like`` (pinned where ``device`` copies from it faster)."""
+        return self._grown(("host", slot, like.dtype), like.numel(),
+                           lambda size: device.host_buffer(max(size, 1) * like.element_size()).view(like.dtype))
+
+
+Recv = tuple  # (peer, buffer) or (peer, buffer, reduce op): received as a copy, or reduced as it lands
+
+
+@dataclass
+class PlanContext:
+    """What one op's plan runs with: who this rank is, its island, the border, the deadline."""
+
+    topo: Topology
+    rank: int
+    island: IslandComm
+    border: Border
+    tag: Tag
+    deadline: float
+    scratch: ScratchPool = field(default_factory=ScratchPool)
+    pipeline: Optional[Executor] = None  # one thread: border stages overlap island stages
+    piece_bytes: int = 4 << 20
+    direct: Optional[Border] = None  # the TCP border to every rank: small-message rounds (tree.py)
+    device: Device = HOST  # whose memory the op's buffers are, and how work on it is ordered
+    stream: Optional[StreamLike] = None  # the op's side stream on that device
+    rows: Optional[dict[int, list[int]]] = None  # every rank's call row, once a round agreed them
+
+    def __post_init__(self) -> None:
+        self.vendor = self.island  # the island library itself; ``island`` launches on the stream
+        if not self.device.host:
+            self.island = _Launched(self.island, self)
+
+    def launch(self, fn: Callable, *args) -> None:
+        """Device work on the op's stream (runs now for host memory)."""
+        self.device.launch(self.stream, fn, *args)
+
+    def host_wait(self) -> None:
+        """Wait until the op's stream has done its launched work: the host may touch the buffers."""
+        if not self.device.host:
+            self.device.host_wait(self.stream, self.deadline, f"op {self.tag.op} #{self.tag.seq} on rank {self.rank}")
+
+    def on_stream(self, fn: Callable, *args) -> None:
+        """Run host code that may start kernels (border copies) with the op's stream current."""
+        with self.device.using(self.stream):
+            fn(*args)
+
+    def every_rank_on_host(self) -> bool:
+        """Whether every rank's buffers are host memory, from the agreed rows (False without them)."""
+        return self.rows is not None and all_host(self.rows.values())
+
+    @property
+    def my_island(self):
+        return self.topo.island_of(self.rank)
+
+    def pieces(self, largest_bytes: int) -> int:
+        """Pieces of ``piece_bytes`` for the largest region (one without a pipeline thread)."""
+        if self.pipeline is None:
+            return 1
+        return max(-(-largest_bytes // self.piece_bytes), 1)
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[Recv],
+                 border: Optional[Border] = None) -> None:
+        """Post all receives and sends at once, then wait for all before the deadline. A
+        receive ``(peer, buf, op)`` reduces into ``buf`` as the data lands (one such receive
+        per buffer: receptions run concurrently). Over ``border`` (default: the op's), in
+        order per peer."""
+        border = border or self.border
+        self.host_wait()  # the producing work is done, and no pending kernel still reads a buffer we fill
+        handles = [border.irecv(peer, buf, self.tag, *op) for peer, buf, *op in recvs if buf.numel()]
+        handles += [border.isend(peer, buf, self.tag) for peer, buf in sends if buf.numel()]
+        for handle in handles:
+            self.wait(handle)
+
+    def wait(self, handle: Handle) -> None:
+        """Wait for one transfer before the op's deadline; a timeout names the peer waited for."""
+        try:
+            handle.wait(max(self.deadline - time.monotonic(), 0.0))
+        except HetCCLTimeoutError as exc:
+            raise HetCCLTimeoutError(str(exc), waiting_for=handle.peer) from exc
+
+
+class _Launched:
+    """An island communicator whose every call is device work launched on the op's stream."""
+
+    def __init__(self, island: IslandComm, ctx: PlanContext) -> None:
+        self._island, self._ctx = island, ctx
+
+    @property
+    def rank(self) -> int:
+        return self._island.rank
+
+    @property
+    def size(self) -> int:
+        return self._island.size
+
+    def __getattr__(self, name: str) -> Callable:
+        op = getattr(self._island, name)
+        return lambda *args: self._ctx.launch(op, *args)
+
+
+def view(buf: torch.Tensor, span: Span) -> torch.Tensor:
+    offset, length = span
+    return buf[offset:offset + length]
+
+
+def pipelined(ctx: PlanContext, count: int, before: Callable[[int], None], across: Callable[[int], None],
+              after: Callable[[int], None]) -> None:
+    """Run each piece's island stage ``before``, border stage ``across`` and island stage
+    ``after`` in order; with several pieces, piece q's border stage runs on the pipeline
+    thread while this thread works on the island stages of pieces q+1 and q-1."""
+    if count == 1:
+        before(0)
+        across(0)
+        after(0)
+        return
+    crossing: list[tuple[int, Future]] = []
+    for q in range(count):
+        before(q)
+        crossing.append((q, ctx.pipeline.submit(ctx.on_stream, across, q)))
+        if len(crossing) > 1:
+            _after_crossing(ctx, *crossing.pop(0), after)
+    for done in crossing:
+        _after_crossing(ctx, *done, after)
+
+
+def _after_crossing(ctx: PlanContext, q: int, crossed: Future, after: Callable[[int], None]) -> None:
+    try:
+        crossed.result(timeout=max(ctx.deadline - time.monotonic(), 0.0))
+    except FutureTimeout:
+        raise HetCCLTimeoutError("the border stage of a pipelined piece passed the deadline") from None
+    after(q)
+
+
+_ISLAND_CALLS: dict[str, Callable] = {
+    "allreduce": lambda island, buf, step, op: island.allreduce(buf, op),
+    "reduce": lambda island, buf, step, op: island.reduce(buf, step.root, op),
+    "broadcast": lambda island, buf, step, op: island.broadcast(buf, step.root),
+    "reduce_scatter": lambda island, buf, step, op: island.reduce_scatter(buf, step.counts, op),
+    "allgather": lambda island, buf, step, op: island.allgather(buf, step.counts),
+    "gather": lambda island, buf, step, op: island.gather(buf, step.counts, step.root),
+}
+
+
+def execute(ctx: PlanContext, plan: Plan, buf: torch.Tensor, op: Optional[str] = None) -> torch.Tensor:
+    """Run ``plan`` over the flat ``buf`` (``op``: the reduce op of its folds and island
+    reductions); returns the view that holds this rank's result."""
+    def island(steps: Sequence[IslandStep]) -> None:
+        for step in steps:
+            _ISLAND_CALLS[step.op](ctx.island, view(buf, step.span), step, op)
+
+    def across(steps: Sequence[BorderStep]) -> None:
+        for step in steps:
+            _border_step(ctx, step, buf, op)
+
+    pieces = plan.pieces
+    pipelined(ctx, len(pieces), lambda q: island(pieces[q].before), lambda q: across(pieces[q].across),
+              lambda q: island(pieces[q].after))
+    return view(buf, plan.result) if plan.result is not None else buf
+
+
+def _border_step(ctx: PlanContext, step: BorderStep, buf: torch.Tensor, op: Optional[str]) -> None:
+    """One border step: copies land in place; of the folds into one span, the first reduces as
+    it lands and the rest land in scratch and are folded in after, in the step's order."""
+    recvs: list[Recv] = []
+    folding: set[Span] = set()
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for move in step.recvs:
+        target = view(buf, move.span)
+        if not step.fold:
+            recvs.append((move.peer, target))
+        elif move.span not in folding:
+            folding.add(move.span)
+            recvs.append((move.peer, target, op))
+        else:
+            partial = ctx.scratch.get(("fold", len(staged)), move.span[1], buf)
+            staged.append((target, partial))
+            recvs.append((move.peer, partial))
+    ctx.exchange([(move.peer, view(buf, move.span)) for move in step.sends], recvs)
+    for target, partial in staged:
+        ctx.launch(combine, target, partial, op)

@@ -1,0 +1,317 @@
+"""Plans as data: each rank's steps of one collective, built once per call pattern.
+
+A plan is a list of pieces; a piece is island steps (the vendor collective over a span of
+the op's flat buffer), border steps (moves of spans to and from peers, landing as a copy
+or folded into the span with the reduce op), then island steps again. One runner
+(``runner.execute``) runs every plan, overlapping piece q's border steps with the island
+steps of pieces q+1 and q-1 (after FlagCX's cluster-to-cluster planner: pre-homo, hetero,
+post-homo steps, built once and cached per call pattern).
+
+Builders are pure (no torch, no Ray): ``build(topo, rank, op, n, root, pieces)`` for every
+rank, so a plan can be printed and its border bytes checked without a cluster
+(``python -m hetccl_ray.plan``). Per-rank chunks (allgather, reducescatter) are laid out
+island by island (``Topology.regions``).
+
+Border bytes, all ranks together, S the buffer (nccl-tests' size), k islands:
+allreduce 2(k-1)S; reducescatter, allgather, broadcast, reduce (k-1)S (``bound``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+from hetccl_ray.topology import Topology, split
+
+Span = tuple[int, int]  # (offset, length) in elements of the op's buffer
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")
+ROOTED = ("broadcast", "reduce")
+
+
+@dataclass(frozen=True)
+class IslandStep:
+    """The island library's ``op`` over ``span``: ``counts`` are the island ranks' ranges of it
+    (reduce_scatter, allgather, gather), ``root`` an island-local rank (broadcast, gather, reduce)."""
+
+    op: str
+    span: Span
+    counts: tuple[int, ...] = ()
+    root: int = 0
+
+    def describe(self) -> str:
+        extra = f" counts={list(self.counts)}" if self.counts else ""
+        extra += f" root={self.root}" if self.op in ("broadcast", "gather", "reduce") else ""
+        return f"island {self.op} {_span(self.span)}{extra}"
+
+
+@dataclass(frozen=True)
+class Move:
+    """A span of the buffer sent to or received from ``peer``."""
+
+    peer: int
+    span: Span
+
+
+@dataclass(frozen=True)
+class BorderStep:
+    """Post every receive and send, then wait for all. ``fold``: received spans are reduced
+    into place with the op (the first per span as it lands, the rest in the order given),
+    else copied."""
+
+    sends: tuple[Move, ...]
+    recvs: tuple[Move, ...]
+    fold: bool = False
+
+    def describe(self) -> str:
+        out = ", ".join(f"{_span(m.span)}->r{m.peer}" for m in self.sends)
+        into = ", ".join(f"r{m.peer}->{_span(m.span)}" for m in self.recvs)
+        return f"border send [{out}] recv{' fold' if self.fold else ''} [{into}]"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Island steps, border steps, island steps: the border part may overlap other pieces'."""
+
+    before: tuple[IslandStep, ...] = ()
+    across: tuple[BorderStep, ...] = ()
+    after: tuple[IslandStep, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's steps of one op over a buffer of ``n`` elements; ``result`` is the span that
+    holds this rank's result where it is not the whole buffer (reducescatter)."""
+
+    op: str
+    rank: int
+    n: int
+    pieces: tuple[Piece, ...]
+    result: Optional[Span] = None
+
+    def sent(self, topo: Topology, *, across: bool = True) -> dict[int, int]:
+        """Elements this rank sends each peer (only peers on other islands when ``across``)."""
+        mine = topo.island_of(self.rank)
+        out: dict[int, int] = {}
+        for piece in self.pieces:
+            for step in piece.across:
+                for move in step.sends:
+                    if not across or topo.island_of(move.peer) != mine:
+                        out[move.peer] = out.get(move.peer, 0) + move.span[1]
+        return out
+
+    def describe(self) -> list[str]:
+        lines = [f"rank {self.rank}: {self.op} of {self.n} elements, {len(self.pieces)} piece(s)"]
+        for q, piece in enumerate(self.pieces):
+            for stage, steps in (("before", piece.before), ("across", piece.across), ("after", piece.after)):
+                lines += [f"  piece {q} {stage}: {step.describe()}" for step in steps]
+        return lines
+
+
+def _span(span: Span) -> str:
+    return f"[{span[0]}:{span[0] + span[1]}]"
+
+
+def piece_of(span: Span, q: int, count: int) -> Span:
+    """Piece ``q`` of ``count`` of ``span``."""
+    offset, length = span
+    part_offset, part_length = split(length, count)[q]
+    return offset + part_offset, part_length
+
+
+def lane_part(span: Span, lanes: int, lane: int) -> Span:
+    """Lane ``lane``'s part of ``span``: what that lane's owners carry across islands."""
+    return piece_of(span, lane, lanes)
+
+
+def piece_count(largest_bytes: int, piece_bytes: Optional[int]) -> int:
+    """Pieces of at most ``piece_bytes`` for the largest region (one without pipelining)."""
+    return max(-(-largest_bytes // piece_bytes), 1) if piece_bytes else 1
+
+
+def largest_region(topo: Topology, op: str, n: int) -> int:
+    """Elements of the largest region a plan pipelines: an island's chunks, or the buffer."""
+    if op in ("allgather", "reducescatter"):
+        chunk = n // topo.world_size
+        return max(island.size for island in topo.islands) * chunk
+    return n
+
+
+def build(topo: Topology, rank: int, op: str, n: int, root: int = 0, pieces: int = 1) -> Plan:
+    """Rank ``rank``'s plan of ``op`` over ``n`` elements (allgather/reducescatter: the whole
+    island-major buffer of world chunks), in ``pieces`` pieces. Cached per call pattern."""
+    if op not in OPS:
+        raise ValueError(f"no plan for {op!r}; ops: {', '.join(OPS)}")
+    return _build(topo, rank, op, n, root if op in ROOTED else 0, pieces if len(topo.islands) > 1 else 1)
+
+
+@functools.lru_cache(maxsize=512)
+def _build(topo: Topology, rank: int, op: str, n: int, root: int, pieces: int) -> Plan:
+    return _Builder(topo, rank, n, root, pieces).plan(op)
+
+
+class _Builder:
+    """What every op's builder needs: this rank's island, lane, peers and the pieces."""
+
+    def __init__(self, topo: Topology, rank: int, n: int, root: int, count: int) -> None:
+        self.topo, self.rank, self.n, self.count = topo, rank, n, count
+        self.isl = topo.island_of(rank)
+        self.local = topo.local_rank(rank)
+        self.lane = topo.lane_of(rank)
+        self.peers = topo.lane_peers(self.lane) if self.lane is not None else []
+        self.others = [j for j in range(len(topo.islands)) if j != self.isl.index]
+        self.root, self.home = root, topo.island_of(root).index
+
+    def plan(self, op: str) -> Plan:
+        if len(self.topo.islands) == 1:
+            return self._one_island(op)
+        built = getattr(self, op)()
+        result, pieces = built if op == "reducescatter" else (None, built)
+        return Plan(op, self.rank, self.n, tuple(pieces), result)
+
+    def _one_island(self, op: str) -> Plan:
+        """The vendor op alone."""
+        whole, size, result = (0, self.n), self.isl.size, None
+        chunk = self.n // self.topo.world_size
+        step = {"allreduce": IslandStep("allreduce", whole),
+                "reduce": IslandStep("reduce", whole, root=self.local_root()),
+                "broadcast": IslandStep("broadcast", whole, root=self.local_root()),
+                "allgather": IslandStep("allgather", whole, (chunk,) * size),
+                "reducescatter": IslandStep("reduce_scatter", whole, (chunk,) * size)}[op]
+        if op == "reducescatter":
+            result = (self.local * chunk, chunk)
+        return Plan(op, self.rank, self.n, (Piece(before=(step,)),), result)
+
+    def local_root(self) -> int:
+        return self.topo.local_rank(self.root)
+
+    def lane_counts(self, length: int) -> tuple[int, ...]:
+        """An island-local split of ``length``: lane owner l gets lane part l, others none."""
+        counts = [part for _, part in split(length, self.topo.lanes)]
+        return tuple(counts + [0] * (self.isl.size - self.topo.lanes))
+
+    def whole_pieces(self) -> list[Span]:
+        return [piece_of((0, self.n), q, self.count) for q in range(self.count)]
+
+    def mine(self, span: Span) -> Span:
+        return lane_part(span, self.topo.lanes, self.lane)
+
+    # -- the ops: per piece (before, across, after) ------------------------------------------------
+
+    def allreduce(self) -> list[Piece]:
+        """Reduce-scatter to lane owners, allreduce each lane segment among the lane's owners
+        (direct reduce-scatter, then allgather), allgather back."""
+        out = []
+        for piece in self.whole_pieces():
+            counts = self.lane_counts(piece[1])
+            across: tuple[BorderStep, ...] = ()
+            if self.lane is not None:
+                me = self.peers.index(self.rank)
+                seg = self.mine(piece)
+                subs = [piece_of(seg, i, len(self.peers)) for i in range(len(self.peers))]
+                others = [i for i in range(len(self.peers)) if i != me]
+                across = (_step([(self.peers[i], subs[i]) for i in others],
+                                [(self.peers[i], subs[me]) for i in others], fold=True),
+                          _step([(self.peers[i], subs[me]) for i in others],
+                                [(self.peers[i], subs[i]) for i in others]))
+            out.append(Piece((IslandStep("reduce_scatter", piece, counts),), across,
+                             (IslandStep("allgather", piece, counts),)))
+        return out
+
+    def reducescatter(self) -> tuple[Span, list[Piece]]:
+        """Reduce-scatter each island region inside, lane owners swap their parts of the other
+        islands' regions and fold what they get, allgather the island's own region."""
+        chunk = self.n // self.topo.world_size
+        regions = self.topo.regions(chunk)
+        out = []
+        for q in range(self.count):
+            before = tuple(IslandStep("reduce_scatter", p, self.lane_counts(p[1]))
+                           for p in (piece_of(span, q, self.count) for span in regions))
+            own = piece_of(regions[self.isl.index], q, self.count)
+            across: tuple[BorderStep, ...] = ()
+            if self.lane is not None:
+                mine = self.mine(own)
+                across = (_step([(self.peers[j], self.mine(piece_of(regions[j], q, self.count))) for j in self.others],
+                                [(self.peers[j], mine) for j in self.others], fold=True),)
+            counts = self.lane_counts(own[1])
+            # whole, the lane split may already be the chunk split
+            after = ((IslandStep("allgather", own, counts),)
+                     if self.count > 1 or counts != (chunk,) * self.isl.size else ())
+            out.append(Piece(before, across, after))
+        return (regions[self.isl.index][0] + self.local * chunk, chunk), out
+
+    def allgather(self) -> list[Piece]:
+        """The island's own region inside, its lane parts across, the other regions inside."""
+        chunk = self.n // self.topo.world_size
+        regions = self.topo.regions(chunk)
+        size, start = self.isl.size, regions[self.isl.index][0]
+        out = []
+        for q in range(self.count):
+            offset, length = piece_of((0, size * chunk), q, self.count)
+            # each island rank's share of the piece: the part of its chunk inside it
+            shares = tuple(max(min(offset + length, (i + 1) * chunk) - max(offset, i * chunk), 0) for i in range(size))
+            across: tuple[BorderStep, ...] = ()
+            if self.lane is not None:
+                across = (_step([(self.peers[j], self.mine(piece_of(regions[self.isl.index], q, self.count)))
+                                 for j in self.others],
+                                [(self.peers[j], self.mine(piece_of(regions[j], q, self.count))) for j in self.others]),)
+            after = tuple(IslandStep("allgather", p, self.lane_counts(p[1]))
+                          for p in (piece_of(regions[j], q, self.count) for j in self.others))
+            out.append(Piece((IslandStep("allgather", (start + offset, length), shares),), across, after))
+        return out
+
+    def broadcast(self) -> list[Piece]:
+        """The root's island broadcasts inside, its lane owners send each lane's part across,
+        the other islands allgather the parts."""
+        home = self.isl.index == self.home
+        out = []
+        for piece in self.whole_pieces():
+            across: tuple[BorderStep, ...] = ()
+            if self.lane is not None:
+                part = self.mine(piece)
+                across = ((_step([(self.peers[j], part) for j in self.others], []),) if home
+                          else (_step([], [(self.peers[self.home], part)]),))
+            out.append(Piece((IslandStep("broadcast", piece, root=self.local_root()),) if home else (), across,
+                             () if home else (IslandStep("allgather", piece, self.lane_counts(piece[1])),)))
+        return out
+
+    def reduce(self) -> list[Piece]:
+        """Reduce-scatter in each island, lane owners send their partials to the root's island,
+        which folds them and gathers the piece at the root."""
+        home = self.isl.index == self.home
+        out = []
+        for piece in self.whole_pieces():
+            counts = self.lane_counts(piece[1])
+            across: tuple[BorderStep, ...] = ()
+            if self.lane is not None:
+                part = self.mine(piece)
+                across = ((_step([], [(self.peers[j], part) for j in self.others], fold=True),) if home
+                          else (_step([(self.peers[self.home], part)], []),))
+            out.append(Piece((IslandStep("reduce_scatter", piece, counts),), across,
+                             (IslandStep("gather", piece, counts, self.local_root()),) if home else ()))
+        return out
+
+
+def _step(sends: list[tuple[int, Span]], recvs: list[tuple[int, Span]], fold: bool = False) -> BorderStep:
+    """A border step without empty moves."""
+    return BorderStep(tuple(Move(p, s) for p, s in sends if s[1]), tuple(Move(p, s) for p, s in recvs if s[1]), fold)
+
+
+def bound(topo: Topology, op: str, nbytes: int) -> int:
+    """The fewest bytes ``op`` must move across island boundaries, all ranks together, for a
+    buffer of ``nbytes`` (nccl-tests' size: allgather's output, reducescatter's input)."""
+    k = len(topo.islands)
+    return (2 if op == "allreduce" else 1) * (k - 1) * nbytes
+
+
+def round_bytes(topo: Topology, op: str, nbytes: int) -> int:
+    """Border bytes of the small round (tree.py): the bound, except allreduce, whose island
+    partials go to every other island's leader: k(k-1)S."""
+    k = len(topo.islands)
+    return k * (k - 1) * nbytes if op == "allreduce" else bound(topo, op, nbytes)
+
+
+def border_bytes(topo: Topology, op: str, n: int, itemsize: int, root: int = 0, pieces: int = 1) -> int:
+    """Bytes every rank's plan sends across island boundaries, all ranks together."""
+    return itemsize * sum(sum(build(topo, r, op, n, root, pieces).sent(topo).values())
+                          for r in range(topo.world_size))

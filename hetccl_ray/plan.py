@@ -1,0 +1,72 @@
+"""Print a collective's plan without a cluster: its steps per rank, bytes per link, border
+bytes against the bound.
+
+    python -m hetccl_ray.plan --layout 1,2,3 --interleave --op allreduce --size 16M [--steps]
+
+The layout as ``hetccl-bench`` takes it (``hetccl-bench --explain`` prints the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from hetccl_ray.collective import schedule
+from hetccl_ray.topology import Topology
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+
+
+def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int = 0,
+            piece_bytes: Optional[int] = 4 << 20, steps: bool = False) -> list[str]:
+    """Lines describing ``op`` on a buffer of ``nbytes`` (nccl-tests' size): the hierarchical
+    plan's pieces, bytes per cross-island link and in all against the bound, the small
+    round's border bytes; with ``steps``, every rank's steps."""
+    unit = itemsize * (topo.world_size if op in ("allgather", "reducescatter") else 1)
+    n = max(nbytes // unit, 1) * unit // itemsize
+    size = n * itemsize
+    pieces = schedule.piece_count(schedule.largest_region(topo, op, n) * itemsize, piece_bytes)
+    plans = [schedule.build(topo, r, op, n, root, pieces) for r in range(topo.world_size)]
+    sent = sum(sum(p.sent(topo).values()) for p in plans) * itemsize
+    lines = [topo.describe(), f"{op} of {size:,} B ({n:,} elements of {itemsize} B)"
+             + (f", root {root}" if op in schedule.ROOTED else ""),
+             f"hierarchical plan: {len(plans[0].pieces)} piece(s); border bytes {sent:,} "
+             f"= bound {schedule.bound(topo, op, size):,} ({_bound_text(op)})"]
+    for p in plans:
+        for peer, elements in sorted(p.sent(topo).items()):
+            lines.append(f"  link rank {p.rank} -> rank {peer}: {elements * itemsize:,} B")
+    lines.append(f"small round (3 hops, call rows inside): border bytes {schedule.round_bytes(topo, op, size):,}")
+    if steps:
+        for p in plans:
+            lines += p.describe()
+    return lines
+
+
+def _bound_text(op: str) -> str:
+    return "2(k-1)S" if op == "allreduce" else "(k-1)S"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    from hetccl_ray.bench import parse_size
+    from hetccl_ray.local_cluster import island_names, parse_layout
+
+    parser = argparse.ArgumentParser(prog="python -m hetccl_ray.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", default="2x2", help="islands: '2x2' (2 islands of 2), '1,2,3'")
+    parser.add_argument("--interleave", action="store_true", help="deal ranks to islands round-robin")
+    parser.add_argument("--op", default="allreduce", choices=schedule.OPS)
+    parser.add_argument("--size", type=parse_size, default=parse_size("16M"))
+    parser.add_argument("--dtype", default="float32", choices=list(_ITEMSIZE))
+    parser.add_argument("--root", type=int, default=0)
+    parser.add_argument("--piece-bytes", type=parse_size, default=parse_size("4M"))
+    parser.add_argument("--max-lanes", type=int, default=None)
+    parser.add_argument("--steps", action="store_true", help="print every rank's steps")
+    args = parser.parse_args(argv)
+    topo = Topology.from_islands(island_names(parse_layout(args.layout), args.interleave), args.max_lanes)
+    if not 0 <= args.root < topo.world_size:
+        parser.error(f"--root {args.root} is not a rank of {topo.world_size}")
+    print("\n".join(explain(topo, args.op, args.size, _ITEMSIZE[args.dtype], args.root, args.piece_bytes,
+                            args.steps)))
+
+
+if __name__ == "__main__":
+    main()

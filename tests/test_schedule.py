@@ -1,0 +1,75 @@
+"""Plans as data alone (no torch work, no Ray): every plan's border bytes equal the bound,
+and the steps of every rank pair up (what one rank sends a peer, that peer receives)."""
+
+import pytest
+
+from hetccl_ray.collective import schedule
+from hetccl_ray.topology import Topology
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "1+2+3 interleaved": ["x", "y", "x", "z", "y", "x"],
+    "2+3": ["a", "b", "a", "b", "b"],
+    "3x1": ["a", "b", "c"],
+    "one island": ["a", "a", "a"],
+}
+
+
+def _count(topo: Topology, op: str, chunk: int) -> int:
+    return chunk * (topo.world_size if op in ("allgather", "reducescatter") else 1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", schedule.OPS)
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("max_lanes", [None, 1])
+def test_border_bytes_equal_the_bound(layout, op, chunk, pieces, max_lanes):
+    topo = Topology.from_islands(LAYOUTS[layout], max_lanes)
+    n = _count(topo, op, chunk)
+    for root in (range(topo.world_size) if op in schedule.ROOTED else [0]):
+        sent = schedule.border_bytes(topo, op, n, 4, root, pieces)
+        assert sent == schedule.bound(topo, op, n * 4), (op, root)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", schedule.OPS)
+def test_moves_pair_up(layout, op):
+    """Per piece and border step, rank a's sends to b are b's receives from a, span lengths alike."""
+    topo = Topology.from_islands(LAYOUTS[layout])
+    n = _count(topo, op, 10)
+    plans = [schedule.build(topo, r, op, n, topo.world_size - 1, pieces=2) for r in range(topo.world_size)]
+    assert len({len(p.pieces) for p in plans}) == 1
+    for q in range(len(plans[0].pieces)):
+        sent, received = {}, {}
+        for p in plans:
+            for s, step in enumerate(p.pieces[q].across):
+                for m in step.sends:
+                    sent.setdefault((p.rank, m.peer), []).append(m.span[1])
+                for m in step.recvs:
+                    received.setdefault((m.peer, p.rank), []).append(m.span[1])
+        assert sent == received
+
+
+def test_cached_and_printable():
+    topo = Topology.from_islands(LAYOUTS["2x2"])
+    plan = schedule.build(topo, 0, "allreduce", 1 << 20, pieces=4)
+    assert plan is schedule.build(topo, 0, "allreduce", 1 << 20, pieces=4)
+    text = "\n".join(plan.describe())
+    assert "island reduce_scatter [0:262144] counts=[131072, 131072]" in text
+    assert "border send [[65536:131072]->r2] recv fold [r2->[0:65536]]" in text
+    assert plan.sent(topo) == {2: (1 << 20) // 2}  # its lane segment, in each of 4 pieces: half out, half back
+
+
+def test_unknown_op():
+    with pytest.raises(ValueError, match="no plan for 'scan'"):
+        schedule.build(Topology.from_islands(["a"]), 0, "scan", 4)
+
+
+def test_explain_prints_the_bound_without_a_cluster(capsys):
+    from hetccl_ray.plan import main
+
+    main(["--layout", "1,2,3", "--interleave", "--op", "reducescatter", "--size", "96", "--steps"])
+    out = capsys.readouterr().out
+    assert "3 island(s)" in out and "border bytes 192 = bound 192" in out
+    assert out.count("rank 5: reducescatter") == 1
