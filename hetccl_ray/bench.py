@@ -21,7 +21,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pandas as pd
 import ray
@@ -35,7 +35,6 @@ from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, p
 from hetccl_ray.transport.choice import TRANSPORTS
 from hetccl_ray.topology import ISLAND_LABEL, Topology
 
-OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv", "alltoall")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -59,46 +58,35 @@ def sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
     return sizes
 
 
-def bus_factor(op: str, world: int) -> float:
-    """nccl-tests' busbw factors: what each rank's link carries relative to algbw."""
-    if op == "allreduce":
-        return 2 * (world - 1) / world
-    if op in ("reducescatter", "allgather", "alltoall"):
-        return (world - 1) / world
-    return 1.0
+@dataclass(frozen=True)
+class Coll:
+    """One op of the bench, as nccl-tests' ``testColl``: how its buffers are made, how it is
+    called, what it must leave, its bus factor and the border bytes a flat ring and the
+    design's bound move. The harness never branches on the op's name.
+
+    ``chunked``: the size splits into one chunk per rank; ``reduces``: a sum; ``rooted``:
+    rank 0 is the root. ``make(count, chunk, x)`` gives (input, output) from the rank's
+    data ``x`` of ``count`` (``chunk`` = count / world); ``call(group, x, out)`` one call;
+    ``got(x, out, world)`` the tensors to check; ``want(inputs, rank)`` their values from every
+    rank's input (and ``reduces``: rank 0 only for reduce). ``ring``: per ring hop, the share
+    of S it carries and whether the ring wraps around (None: flat, it crosses once)."""
+
+    name: str
+    bus: Callable[[int], float]
+    make: Callable[[torch.Tensor, int], tuple]
+    call: Callable[[str, int, int, torch.Tensor, Any], Callable[[], None]]
+    got: Callable[[torch.Tensor, Any, int], list]
+    want: Callable[[list, int, int], list]
+    ring: Optional[tuple[Callable[[int], float], bool]]
+    bound: Callable[[Topology, int], int]
+    bound_text: str
+    chunked: bool = False
+    reduces: bool = False
+    rooted: bool = False
 
 
-def ring_border_bytes(op: str, island_of_rank: Sequence[str], nbytes: int) -> int:
-    """Bytes a flat ring over ranks in rank order (gloo's allreduce/allgather/reducescatter
-    algorithm) sends across island boundaries: per crossing hop, the ring's per-link bytes.
-    Broadcast, reduce and sendrecv are modelled as a chain over ranks in rank order."""
-    n = len(island_of_rank)
-    if op == "alltoall":  # Gloo's is flat: each block straight to its rank, so it crosses once too
-        return hetccl_bound(op, Topology.from_islands(island_of_rank), nbytes)
-    crossings = sum(island_of_rank[r] != island_of_rank[(r + 1) % n] for r in range(n))
-    if op == "allreduce":
-        per_hop = 2 * (n - 1) / n * nbytes
-    elif op in ("reducescatter", "allgather"):
-        per_hop = (n - 1) / n * nbytes
-    else:
-        per_hop = nbytes
-        if op != "sendrecv":  # a chain has no wrap-around hop
-            crossings -= island_of_rank[n - 1] != island_of_rank[0]
-    return int(round(crossings * per_hop))
-
-
-def hetccl_bound(op: str, topo: Topology, nbytes: int) -> int:
-    """The design's lower bound on bytes crossing island boundaries, all ranks together."""
-    k = len(topo.islands)
-    if op == "allreduce":
-        return 2 * (k - 1) * nbytes
-    if op == "alltoall":
-        return nbytes // topo.world_size * len(_cross_pairs(topo))
-    if op == "sendrecv":
-        order = [topo.island_of(r).index for r in range(topo.world_size)]
-        n = len(order)
-        return nbytes * sum(order[r] != order[(r + 1) % n] for r in range(n))
-    return (k - 1) * nbytes
+def _islands_bound(factor: int) -> Callable[[Topology, int], int]:
+    return lambda topo, nbytes: factor * (len(topo.islands) - 1) * nbytes
 
 
 def _cross_pairs(topo: Topology) -> list[tuple[int, int]]:
@@ -107,17 +95,113 @@ def _cross_pairs(topo: Topology) -> list[tuple[int, int]]:
     return [(r, t) for r in range(n) for t in range(n) if topo.island_of(r) != topo.island_of(t)]
 
 
+def _ring_crossings(topo: Topology, nbytes: int) -> int:
+    order = [topo.island_of(r).index for r in range(topo.world_size)]
+    return nbytes * sum(order[r] != order[(r + 1) % len(order)] for r in range(len(order)))
+
+
+def _alltoall_call(group: str, world: int, rank: int, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    if isinstance(col.get_group_handle(group), hetccl_ray.HetCCLGroup):
+        ins, outs = list(x.chunk(world)), list(out.chunk(world))
+        return lambda: hetccl_ray.alltoall(ins, outs, group_name=group)
+    torch_group = col.get_group_handle(group)._pg  # Ray's gloo group has no all-to-all; its torch Gloo has
+    return lambda: torch.distributed.all_to_all_single(out, x, group=torch_group)
+
+
+def _sendrecv_call(group: str, world: int, rank: int, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """Each rank sends to the next and receives from the previous (even ranks send first)."""
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def exchange() -> None:
+        if rank % 2 == 0:
+            col.send(x, nxt, group_name=group)
+        col.recv(out, prv, group_name=group)
+        if rank % 2:
+            col.send(x, nxt, group_name=group)
+    return exchange
+
+
+def _summed(inputs: list) -> list:
+    return [(sum(inputs), sum(x.abs() for x in inputs))]
+
+
+def _moved(inputs: list) -> list:
+    return [(x, x.abs()) for x in inputs]
+
+
+_RING = (lambda n: 2 * (n - 1) / n, True)
+_HALF_RING = (lambda n: (n - 1) / n, True)
+_CHAIN = (lambda n: 1.0, False)
+COLLS = {c.name: c for c in (
+    Coll("allreduce", lambda n: 2 * (n - 1) / n, lambda x, w: (x, None),
+         lambda g, w, r, x, out: lambda: col.allreduce(x, group_name=g), lambda x, out, w: [x],
+         lambda inputs, w, r: _summed(inputs), _RING, _islands_bound(2), "2(k-1)S", reduces=True),
+    Coll("reducescatter", lambda n: (n - 1) / n, lambda x, w: (torch.zeros_like(x.chunk(w)[0]), list(x.chunk(w))),
+         lambda g, w, r, x, out: lambda: col.reducescatter(x, out, group_name=g), lambda x, out, w: [x],
+         lambda inputs, w, r: _summed([x.chunk(w)[r] for x in inputs]), _HALF_RING, _islands_bound(1), "(k-1)S",
+         chunked=True, reduces=True),
+    Coll("allgather", lambda n: (n - 1) / n, lambda x, w: (x.chunk(w)[0].clone(), [torch.zeros_like(x.chunk(w)[0])
+                                                                                  for _ in range(w)]),
+         lambda g, w, r, x, out: lambda: col.allgather(out, x, group_name=g), lambda x, out, w: out,
+         lambda inputs, w, r: _moved([x.chunk(w)[0] for x in inputs]), _HALF_RING, _islands_bound(1), "(k-1)S",
+         chunked=True),
+    Coll("broadcast", lambda n: 1.0, lambda x, w: (x, None),
+         lambda g, w, r, x, out: lambda: col.broadcast(x, src_rank=0, group_name=g), lambda x, out, w: [x],
+         lambda inputs, w, r: _moved(inputs[:1]), _CHAIN, _islands_bound(1), "(k-1)S", rooted=True),
+    Coll("reduce", lambda n: 1.0, lambda x, w: (x, None),
+         lambda g, w, r, x, out: lambda: col.reduce(x, dst_rank=0, group_name=g), lambda x, out, w: [x],
+         lambda inputs, w, r: _summed(inputs) if r == 0 else [], _CHAIN, _islands_bound(1), "(k-1)S",
+         reduces=True, rooted=True),
+    Coll("sendrecv", lambda n: 1.0, lambda x, w: (x, torch.empty_like(x)), _sendrecv_call, lambda x, out, w: [out],
+         lambda inputs, w, r: _moved([inputs[(r - 1) % w]]), (lambda n: 1.0, True), _ring_crossings,
+         "S per ring hop that crosses islands"),
+    Coll("alltoall", lambda n: (n - 1) / n, lambda x, w: (x, torch.zeros_like(x)), _alltoall_call,
+         lambda x, out, w: list(out.chunk(w)),
+         lambda inputs, w, r: _moved([x.chunk(w)[r] for x in inputs]), None,
+         lambda topo, nbytes: nbytes // topo.world_size * len(_cross_pairs(topo)),
+         "S/n per ordered pair of ranks in different islands (S per rank)", chunked=True),
+)}
+OPS = tuple(COLLS)
+
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' busbw factors: what each rank's link carries relative to algbw."""
+    return COLLS[op].bus(world)
+
+
+def hetccl_bound(op: str, topo: Topology, nbytes: int) -> int:
+    """The design's lower bound on bytes crossing island boundaries, all ranks together."""
+    return COLLS[op].bound(topo, nbytes)
+
+
+def ring_border_bytes(op: str, island_of_rank: Sequence[str], nbytes: int) -> int:
+    """Bytes a flat ring over ranks in rank order (gloo's allreduce/allgather/reducescatter
+    algorithm; broadcast and reduce as a chain, sendrecv as a ring of pairs) sends across
+    island boundaries: per crossing hop, the ring's per-link bytes. Gloo's all-to-all is
+    flat: each block straight to its rank, so it crosses once, as the bound."""
+    topo = Topology.from_islands(island_of_rank)
+    ring = COLLS[op].ring
+    if ring is None:
+        return hetccl_bound(op, topo, nbytes)
+    share, wraps = ring
+    n = len(island_of_rank)
+    crossings = sum(island_of_rank[r] != island_of_rank[(r + 1) % n] for r in range(n - (0 if wraps else 1)))
+    return int(round(crossings * share(n) * nbytes))
+
+
 def link_seconds(op: str, topo: Topology, nbytes: int, bits_per_s: float) -> Optional[float]:
-    """The link bound on shaped links (each island's link shaped each way) of all-to-all and
-    allreduce: the busiest island's bytes out or in over the rate. None for the other ops."""
-    if op == "allreduce":  # every island sends and receives 2 (k - 1) / k of the buffer
-        k = len(topo.islands)
+    """The link bound on shaped links (each island's link shaped each way): the busiest
+    island's bytes out or in over the rate, for ops whose bytes are spread over islands
+    alike (allreduce: 2(k-1)/k of the buffer each way; all-to-all: its cross-island blocks).
+    None for the rooted and point-to-point ops."""
+    k = len(topo.islands)
+    if op == "allreduce":
         return 2 * (k - 1) / k * nbytes * 8 / bits_per_s if k > 1 else None
     if op != "alltoall":
         return None
     block = nbytes // topo.world_size
     island = {r: topo.island_of(r).index for r in range(topo.world_size)}
-    load = [0] * (2 * len(topo.islands))
+    load = [0] * (2 * k)
     for r, t in _cross_pairs(topo):
         load[2 * island[r]] += block      # leaving r's island
         load[2 * island[t] + 1] += block  # entering t's island
@@ -132,95 +216,21 @@ def parse_rate(text: str) -> float:
     return float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
 
 
-_BOUND_TEXT = {"allreduce": "2(k-1)S", "reducescatter": "(k-1)S", "allgather": "(k-1)S", "broadcast": "(k-1)S",
-               "reduce": "(k-1)S", "sendrecv": "S per ring hop that crosses islands",
-               "alltoall": "S/n per ordered pair of ranks in different islands (S per rank)"}
-
 
 # -- what each rank runs -------------------------------------------------------------------------
 
-def _buffers(op: str, count: int, world: int, dtype: torch.dtype, data: str, rank: int) -> tuple:
-    """Inputs/outputs for one op; ``count`` is elements of the whole buffer (nccl-tests' size)."""
-    if op == "alltoall":  # the output, whose chunk r comes from rank r
-        return rank_data(data, rank, count, dtype), torch.zeros(count, dtype=dtype)
-    per_rank = count // world
-    if op == "allgather":
-        return rank_data(data, rank, per_rank, dtype), [torch.zeros(per_rank, dtype=dtype) for _ in range(world)]
-    if op == "reducescatter":
-        return torch.zeros(per_rank, dtype=dtype), list(rank_data(data, rank, count, dtype).chunk(world))
-    return rank_data(data, rank, count, dtype), None
-
-
-def _step(op: str, group: str, world: int, rank: int, x: torch.Tensor, chunks) -> Callable[[], None]:
-    """One call of ``op`` on prepared buffers."""
-    if op == "allreduce":
-        return lambda: col.allreduce(x, group_name=group)
-    if op == "broadcast":
-        return lambda: col.broadcast(x, src_rank=0, group_name=group)
-    if op == "reduce":
-        return lambda: col.reduce(x, dst_rank=0, group_name=group)
-    if op == "allgather":
-        return lambda: col.allgather(chunks, x, group_name=group)
-    if op == "reducescatter":
-        return lambda: col.reducescatter(x, chunks, group_name=group)
-    if op == "alltoall":
-        if isinstance(col.get_group_handle(group), hetccl_ray.HetCCLGroup):
-            ins, outs = list(x.chunk(world)), list(chunks.chunk(world))
-            return lambda: hetccl_ray.alltoall(ins, outs, group_name=group)
-        torch_group = col.get_group_handle(group)._pg  # Ray's gloo group has no all-to-all; its torch Gloo has
-        return lambda: torch.distributed.all_to_all_single(chunks, x, group=torch_group)
-    if op == "sendrecv":
-        nxt, prv = (rank + 1) % world, (rank - 1) % world
-        recv_buf = torch.empty_like(x)
-
-        def exchange() -> None:
-            if rank % 2 == 0:
-                col.send(x, nxt, group_name=group)
-                col.recv(recv_buf, prv, group_name=group)
-            else:
-                col.recv(recv_buf, prv, group_name=group)
-                col.send(x, nxt, group_name=group)
-        exchange.recv_buf = recv_buf
-        return exchange
-    raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
-
-
-def _expected(op: str, world: int, rank: int, count: int, dtype: torch.dtype, data: str
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """What this rank should hold after one call with ``count`` elements (nccl-tests' size),
-    from every rank's input, with the sum of the magnitudes that went into each element;
-    sums in float64 (int64 for integers, wrapping as the dtype does)."""
-    wide = torch.float64 if dtype.is_floating_point else torch.int64
-    inputs = [rank_data(data, r, count // world if op == "allgather" else count, dtype).to(wide)
-              for r in range(world)]
-    if op == "reducescatter":
-        inputs = [x.chunk(world)[rank] for x in inputs]
-    if op in ("allreduce", "reduce", "reducescatter"):
-        summed = [(sum(inputs), sum(x.abs() for x in inputs))]
-        return summed if op != "reduce" or rank == 0 else []
-    if op == "alltoall":
-        inputs = [x.chunk(world)[rank] for x in inputs]
-    moved = {"broadcast": inputs[:1], "sendrecv": [inputs[(rank - 1) % world]]}.get(op, inputs)
-    return [(x, x.abs()) for x in moved]
-
-
-def _wrong(op: str, world: int, rank: int, count: int, x: torch.Tensor, chunks, step, data: str) -> int:
+def _wrong(coll: Coll, world: int, rank: int, count: int, dtype: torch.dtype, got: list, data: str) -> int:
     """Elements that differ from the expected result of one call: moved data bit for bit,
-    float reductions within the rounding of ``world`` additions in the dtype."""
-    if op == "allgather":
-        got = chunks
-    elif op == "alltoall":
-        got = list(chunks.chunk(world))
-    elif op == "sendrecv":
-        got = [step.recv_buf]
-    else:
-        got = [x] if op != "reduce" or rank == 0 else []
+    float reductions within the rounding of ``world`` additions in the dtype; expected values
+    from every rank's input, summed in float64 (int64 for integers, wrapping as the dtype)."""
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    inputs = [rank_data(data, r, count, dtype).to(wide) for r in range(world)]
     wrong = 0
-    for g, (w, scale) in zip(got, _expected(op, world, rank, count, x.dtype, data)):
-        w = w.to(x.dtype).to(torch.float64)  # overflows and wraps as the dtype does
+    for g, (w, scale) in zip(got, coll.want(inputs, world, rank)):
+        w = w.to(dtype).to(torch.float64)  # overflows and wraps as the dtype does
         g = g.to(torch.float64)
-        if op in ("allreduce", "reduce", "reducescatter") and x.dtype.is_floating_point:
-            info = torch.finfo(x.dtype)
+        if coll.reduces and dtype.is_floating_point:
+            info = torch.finfo(dtype)
             close = ((g - w).abs() <= world * info.eps * scale) | (g == w)
             near_overflow = scale >= info.max / 2  # partial sums may round to inf in another order
             wrong += int((~close & ~near_overflow).sum().item())
@@ -243,16 +253,16 @@ def rank_run(groups: dict[str, str], op: str, count: int, dtype_name: str, warmu
     of each, alternating the backends call by call and rotating their order every iteration,
     so the host's noisy moments and the cost of going first fall on every backend alike.
     Each call starts after a barrier of its group; returns each call's seconds per backend."""
-    dtype = getattr(torch, dtype_name)
+    dtype, coll = getattr(torch, dtype_name), COLLS[op]
     out, steps = {}, {}
     for backend, group in groups.items():
-        x, chunks = _buffers(op, count, world, dtype, data, rank)
-        step = steps[backend] = _step(op, group, world, rank, x, chunks)
+        x, into = coll.make(rank_data(data, rank, count, dtype), world)
+        step = steps[backend] = coll.call(group, world, rank, x, into)
         hetccl = backend.startswith("hetccl")
         col.barrier(group_name=group)
         sent_before = _data_bytes_sent(group) if hetccl else (0, 0)
         step()
-        wrong = _wrong(op, world, rank, count, x, chunks, step, data)
+        wrong = _wrong(coll, world, rank, count, dtype, coll.got(x, into, world), data)
         border, wire = ([after - before for after, before in zip(_data_bytes_sent(group), sent_before)] if hetccl
                         else (None, None))
         out[backend] = {"times_s": [], "wrong": wrong, "border_bytes": border, "wire_bytes": wire}
@@ -333,6 +343,13 @@ def lane_transports(group: str, rank: int) -> tuple[list[str], list[str]]:
             formed.cost_model())
 
 
+def plan_taken(group: str, op: str, nbytes: int) -> str:
+    """In one actor: the plan a call of ``op`` on ``nbytes`` takes in this group (the group's
+    agreed choice, the same on every rank): round, plan, flat, or the op's own way."""
+    formed = hetccl_ray.get_group(group)
+    return formed.plan_of(op, nbytes) if op in formed.small_bytes else {"alltoall": "routes"}.get(op, "p2p")
+
+
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,
               timeout_s: float = 120.0, transport: str = "auto", link_rate: Optional[str] = None) -> pd.DataFrame:
     """Form the groups on ``actors`` and run the sweep; one row per (op, size, backend).
@@ -359,12 +376,15 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     rows = []
     for op in spec.ops:
         for size in spec.sizes:
-            unit = itemsize * (world if op in ("allgather", "reducescatter", "alltoall") else 1)
+            coll = COLLS[op]
+            unit = itemsize * (world if coll.chunked else 1)
             count = max(size // unit, 1) * unit // itemsize
             nbytes = count * itemsize
             per_rank = ray.get([a.call.remote(rank_run, groups, op, count, spec.dtype, spec.warmup, spec.iters,
                                               rank, world, spec.data) for rank, a in enumerate(actors)],
                                timeout=max(timeout_s, 600))
+            taken = {label: ray.get(actors[0].call.remote(plan_taken, groups[label], op, nbytes), timeout=60)
+                     for label in labels if label.startswith("hetccl")}
             for backend in groups:
                 results = [r[backend] for r in per_rank]
                 seconds, spread = call_seconds([r["times_s"] for r in results])
@@ -374,12 +394,13 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                           else ring_border_bytes(op, island_of_rank, nbytes))
                 wire = sum(r["wire_bytes"] for r in results) if hetccl else border
                 rows.append({"op": op, "size": nbytes, "count": count, "type": spec.dtype,
-                             "redop": "sum" if op in ("allreduce", "reducescatter", "reduce") else "none",
-                             "root": 0 if op in ("broadcast", "reduce") else -1, "backend": backend,
+                             "redop": "sum" if coll.reduces else "none",
+                             "root": 0 if coll.rooted else -1, "backend": backend,
                              "time_us": seconds * 1e6, "spread": spread, "algbw": algbw, "busbw": algbw * bus_factor(op, world),
                              "wrong": sum(r["wrong"] for r in results), "border_bytes": border,
                              "wire_bytes": wire, "wire_ratio": wire / border if border else None,
-                             "border_bound": hetccl_bound(op, topo, nbytes), "data": spec.data})
+                             "border_bound": hetccl_bound(op, topo, nbytes), "data": spec.data,
+                             "plan": taken.get(backend, "gloo")})
                 if link_rate:
                     bound_s = link_seconds(op, topo, nbytes, parse_rate(link_rate))
                     rows[-1]["x_link_bound"] = seconds / bound_s if bound_s else None
@@ -411,8 +432,8 @@ def format_table(frame: pd.DataFrame) -> str:
         head1 += f" | {backend + ' time':>12} {'spread':>6} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'border':>10}"
         head2 += f" | {'(us, med)':>12} {'(%)':>6} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(B)':>10}"
         if backend.startswith("hetccl"):
-            head1 += f" {'wire':>10} {'wire/':>6}"
-            head2 += f" {'(B)':>10} {'border':>6}"
+            head1 += f" {'wire':>10} {'wire/':>6} {'plan':>6}"
+            head2 += f" {'(B)':>10} {'border':>6} {'':>6}"
         if linked:
             head1 += f" {'time':>7}"
             head2 += f" {'/link':>7}"
@@ -422,7 +443,7 @@ def format_table(frame: pd.DataFrame) -> str:
         head2 += f" | {'(x faster)':>11}"
     lines = [head1, head2]
     for op, per_op in frame.groupby("op", sort=False):
-        lines.append(f"# {op}  (hetccl border bound: {_BOUND_TEXT[op]})")
+        lines.append(f"# {op}  (hetccl border bound: {COLLS[op].bound_text})")
         for size, rows in per_op.groupby("size", sort=False):
             first = rows.iloc[0]
             line = (f" {size:>12} {first['count']:>12} {first['type']:>8} {first['redop']:>6} "
@@ -433,7 +454,7 @@ def format_table(frame: pd.DataFrame) -> str:
                          f"{row['wrong']:>6d} {int(row['border_bytes']):>10d}")
                 if backend.startswith("hetccl"):
                     ratio = f"{row['wire_ratio']:>6.3f}" if pd.notna(row["wire_ratio"]) else f"{'-':>6}"
-                    line += f" {int(row['wire_bytes']):>10d} {ratio}"
+                    line += f" {int(row['wire_bytes']):>10d} {ratio} {row.get('plan', '-'):>6}"
                 if linked:
                     line += f" {row['x_link_bound']:>7.2f}" if pd.notna(row["x_link_bound"]) else f" {'-':>7}"
             for other in others:

@@ -16,7 +16,7 @@ import torch
 
 from hetccl_ray.collective.island import ranges
 from hetccl_ray.collective.runner import PlanContext
-from hetccl_ray.collective.reduction import combine
+from hetccl_ray.buffers import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 from hetccl_ray.topology import Topology
 from hetccl_ray.transport.base import Handle, Tag

@@ -55,3 +55,37 @@ def test_a_noisy_slope_gives_a_bounded_rate_and_threshold():
 def test_unknown_op_is_refused():
     with pytest.raises(ValueError, match="no cost model for 'alltoall'"):
         costs.tree_busiest("alltoall", TWO_BY_TWO)
+
+
+def test_the_flat_plan_starts_where_it_costs_less_than_the_hierarchical_plan():
+    link = costs.LinkCosts(300e-6, 1e9)
+    fast_flat = costs.flat_from(TWO_BY_TWO, link, costs.LinkCosts(100e-6, 2e9))
+    slow_flat = costs.flat_from(TWO_BY_TWO, link, costs.LinkCosts(100e-6, 0.05e9))  # a library far slower per byte
+    for op in costs.OPS:
+        hops, _, plan_c = costs._shape(op, TWO_BY_TWO)
+        flat_hops, flat_c = costs._flat_shape(op, 4)
+        size = fast_flat[op]
+        plan_s = hops * link.hop_s + plan_c * costs.PLAN_SOFTWARE * size / link.bytes_per_s
+        flat_s = costs.TREE_HOPS * link.hop_s + flat_hops * 100e-6 + flat_c * size / 2e9
+        assert size == 0.0 or flat_s == pytest.approx(plan_s, rel=1e-6), op  # where the two lines cross
+        assert slow_flat[op] > fast_flat[op], op
+
+
+def test_measure_flat_inverts_its_model():
+    hop, rate, busiest = 80e-6, 3e9, 3  # a broadcast from the root of 4 ranks sends 3 buffers
+    broadcasts = {size: [hop + busiest * size / rate] * 3 for size in (64 << 10, 1 << 20)}
+    measured = costs.measure_flat(broadcasts, 4)
+    assert measured.hop_s == pytest.approx(hop) and measured.bytes_per_s == pytest.approx(rate)
+
+
+def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_host():
+    from hetccl_ray.collective import planner
+
+    p = planner.Planner(TWO_BY_TWO, dict.fromkeys(costs.OPS, 1000), flat=True,
+                        flat_from=dict.fromkeys(costs.OPS, 5000.0))
+    assert p.plan_of("allreduce", 1000) == planner.ROUND
+    assert p.plan_of("allreduce", 4000) == planner.PLAN
+    assert p.plan_of("allreduce", 5000) == planner.FLAT
+    assert p.plan_of("allreduce", 5000, every_rank_on_host=False) == planner.PLAN  # a GPU somewhere
+    assert p.plan_of("allreduce", 5000, checked=False) == planner.PLAN  # no rows: devices unknown
+    assert any("flat Gloo over every rank" in line and "allreduce >= 5,000 B" in line for line in p.describe())

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hetccl_ray.collective import plans, routes
-from hetccl_ray.collective.reduction import combine
+from hetccl_ray.buffers import combine
 from hetccl_ray.topology import Topology
 from tests.fakes import run_ranks
 

@@ -16,7 +16,7 @@ import torch
 
 from hetccl_ray.devices import KINDS
 
-from hetccl_ray.collective.reduction import REDUCE_OPS
+from hetccl_ray.buffers import REDUCE_OPS
 from hetccl_ray.collective.tensors import SUPPORTED_DTYPES, dtype_code
 
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "barrier", "send", "check", "alltoall",

@@ -1,4 +1,5 @@
-"""The cost model that picks, per op, the largest buffer the small-message round takes.
+"""The cost model that picks the plan of each call: the small round, the hierarchical plans,
+or the flat vendor op over every rank.
 
 Two numbers describe the group's links: the time of one message hop (``hop_s``, latency
 plus the per-message software cost) and the bytes per second one rank moves
@@ -7,11 +8,18 @@ as options. A plan costs ``hops * hop_s + c * S / bytes_per_s``, where ``c`` is 
 of buffers of S bytes its busiest rank moves one after another; the small round has
 3 hops and a leader that carries every island's bytes, the island plans have more hops
 (their own 3-hop call check included) but spread bytes over lanes. The threshold is the
-size where the two cost the same. Pure: imports no Ray.
+size where the two cost the same.
+
+Where one library spans every rank (Gloo, for CPU tensors) its flat op is a third candidate:
+the rows-only check (3 hops) and then Gloo's own algorithm, whose hop and bandwidth are
+measured the same way (timed flat broadcasts). It wins where the border is as fast as the
+islands (one host, a fast network); the hierarchical plans win where the border is slow.
+Pure: imports no Ray.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hetccl_ray.topology import Topology
@@ -72,11 +80,51 @@ def thresholds(topo: Topology, costs: LinkCosts) -> dict[str, int]:
     return out
 
 
-def measure(hop_rounds_s: list[float], broadcasts_s: dict[int, list[float]], topo: Topology) -> LinkCosts:
-    """Costs from timed rounds: rows-only rounds (3 hops each) give the hop; small-round
-    broadcasts of two sizes give the bandwidth from the slope between them (medians)."""
+def _line(broadcasts_s: dict[int, list[float]], busiest: float) -> tuple[float, float]:
+    """(seconds at size 0, bytes per second) of the line through the medians of timed
+    broadcasts of two sizes, whose busiest rank moves ``busiest`` buffers."""
     med = {size: sorted(times)[len(times) // 2] for size, times in broadcasts_s.items()}
     small, large = min(med), max(med)
     slope = max(med[large] - med[small], 1e-9) / (large - small)
-    rate = min(max(tree_busiest("broadcast", topo) / slope, _RATE_RANGE[0]), _RATE_RANGE[1])
+    rate = min(max(busiest / slope, _RATE_RANGE[0]), _RATE_RANGE[1])
+    return max(med[small] - busiest * small / rate, 0.0), rate
+
+
+def measure(hop_rounds_s: list[float], broadcasts_s: dict[int, list[float]], topo: Topology) -> LinkCosts:
+    """Costs from timed rounds: rows-only rounds (3 hops each) give the hop; small-round
+    broadcasts of two sizes give the bandwidth from the slope between them (medians)."""
+    _, rate = _line(broadcasts_s, tree_busiest("broadcast", topo))
     return LinkCosts(sorted(hop_rounds_s)[len(hop_rounds_s) // 2] / TREE_HOPS, rate)
+
+
+def _flat_shape(op: str, n: int) -> tuple[int, float]:
+    """(hops, buffers the busiest rank moves) of the flat op over ``n`` ranks: Gloo's ring
+    allreduce, its broadcast and reduce from and to the root, allgather and reduce-scatter
+    as one direct exchange (island.py builds them from send/recv)."""
+    if op == "allreduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1, float(n - 1)
+    if op in ("allgather", "reducescatter"):
+        return 1, (n - 1) / n
+    raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
+
+
+def measure_flat(broadcasts_s: dict[int, list[float]], n: int) -> LinkCosts:
+    """The flat library's hop and bandwidth from timed flat broadcasts of two sizes."""
+    hop, rate = _line(broadcasts_s, _flat_shape("broadcast", n)[1])
+    return LinkCosts(hop, rate)
+
+
+def flat_from(topo: Topology, link: LinkCosts, flat: LinkCosts) -> dict[str, float]:
+    """For each op, the smallest buffer from which the flat op (after its 3-hop check) costs
+    less than the hierarchical plan; infinity where it is slower per byte."""
+    out = {}
+    for op in OPS:
+        hops, _, plan_c = _shape(op, topo)
+        flat_hops, flat_c = _flat_shape(op, topo.world_size)
+        extra_s = TREE_HOPS * link.hop_s + flat_hops * flat.hop_s - hops * link.hop_s
+        saved_per_byte = plan_c * PLAN_SOFTWARE / link.bytes_per_s - flat_c / flat.bytes_per_s
+        # slower per byte, the flat op could only win below some size: the small round's sizes
+        out[op] = max(extra_s, 0.0) / saved_per_byte if saved_per_byte > 0 else math.inf
+    return out

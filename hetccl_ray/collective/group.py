@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import secrets
-import socket
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
 
 import ray
@@ -25,98 +21,29 @@ import torch
 import torch.distributed as dist
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, BarrierOptions, BroadcastOptions,
-                                       ReduceOp, ReduceOptions, ReduceScatterOptions)
+                                       ReduceOptions, ReduceScatterOptions)
 
 from hetccl_ray import devices
-from hetccl_ray.collective import costs, plans, tree
+from hetccl_ray.collective import plans, planner, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import OP_CODES, Call
+from hetccl_ray.collective.checks import ArgumentChecks
+from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
-from hetccl_ray.collective.reduction import copy
-from hetccl_ray.collective.rendezvous import Rendezvous, StoreRendezvous, get_raw, options_key
+from hetccl_ray.collective.progress import Progress
+from hetccl_ray.buffers import copy
+from hetccl_ray.collective.rendezvous import get_raw, options_key
 from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError)
-from hetccl_ray.topology import Topology, island_for
 from hetccl_ray.transport import verbs
 from hetccl_ray.transport.base import Tag
-from hetccl_ray.transport.choice import Choice, choose
-from hetccl_ray.transport.rdma import RdmaBorder
-from hetccl_ray.transport.routed import RoutedBorder
-from hetccl_ray.transport.tcp import TcpBorder
+from hetccl_ray.transport.choice import Choice
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "HETCCL"
-_RAY_OPS = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "product", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
-_PROGRESS_PERIOD_S = 0.1
-_PUBLISH_AFTER_S = 0.3  # an op running this long is published: quick ops cost no KV write
-_PROBE_ROUNDS, _PROBE_BYTES = 5, (64 << 10, 1 << 20)  # formation's timed rounds for the cost model
-
-
-def _generation(group_name: str) -> str:
-    """Tells incarnations of one group name apart: Ray's info actor id when declared."""
-    try:
-        return ray.get_actor("info_" + group_name)._actor_id.hex()
-    except ValueError:
-        return "init"
-
-
-def _default_host() -> str:
-    """This host's address outside Ray: the one its hostname resolves to."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def _timed(op: Callable[[], None], rounds: int) -> list[float]:
-    """Seconds each of ``rounds`` calls of ``op`` took."""
-    times = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - started)
-    return times
-
-
-class _Progress:
-    """Publishes this rank's op once it has run ``_PUBLISH_AFTER_S`` (a rank waiting for a
-    missing peer is such a rank), so a timed-out peer can name who is missing. Quick ops
-    publish nothing: a KV write per op cost one-island 16 MiB allreduces 3-6% on 2 cores."""
-
-    def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
-        self.seq, self._published, self._started = 0, -1, time.monotonic()
-        self._rendezvous, self._rank = rendezvous, rank
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"hetccl-progress-{rank}")
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(_PROGRESS_PERIOD_S):
-            if time.monotonic() - self._started >= _PUBLISH_AFTER_S:
-                self.publish()
-
-    def start(self, seq: int) -> None:
-        """This rank starts op ``seq``."""
-        self.seq, self._started = seq, time.monotonic()
-
-    def publish(self) -> None:
-        seq = self.seq
-        if seq != self._published:
-            self._rendezvous.put(f"progress/{self._rank}", {"seq": seq})
-            self._published = seq
-
-    def behind(self, world_size: int, seq: int) -> list[int]:
-        """Ranks whose last published op is older than ``seq``."""
-        time.sleep(_PUBLISH_AFTER_S + 3 * _PROGRESS_PERIOD_S)  # every rank waiting has published by then
-        return [r for r in range(world_size)
-                if (self._rendezvous.get(f"progress/{r}") or {"seq": 0})["seq"] < seq]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 class HetCCLGroup(BaseGroup):
@@ -133,6 +60,7 @@ class HetCCLGroup(BaseGroup):
                               "actor) or through a torch.distributed store (init_process_group('hetccl'))")
         self.options = options or (GroupOptions() if store is not None
                                    else GroupOptions.from_json(get_raw(options_key(group_name))))
+        self.args = ArgumentChecks(group_name, world_size)
         self._lock = threading.Lock()
         self._seq = 0
         self._p2p_seq: dict[tuple, int] = defaultdict(int)
@@ -143,73 +71,33 @@ class HetCCLGroup(BaseGroup):
         self._streams: dict[devices.Device, devices.StreamLike] = {}
         self._sent_by_op: dict[str, int] = defaultdict(int)
         self.last_op_bytes_sent = 0
-        deadline = time.monotonic() + self.options.timeout_s
-        if store is not None:
-            self._rendezvous: Rendezvous = StoreRendezvous(store, group_name)
-        else:
-            self._rendezvous = Rendezvous(group_name, _generation(group_name))
-        host = self.options.bind_host or (ray.util.get_node_ip_address() if in_ray else _default_host())
-        self.border: Any = TcpBorder(rank, host, self.options.compress)
-        self._store = store
-        if store is None and rank == 0:
-            self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
-        labels = ray.get_runtime_context().get_node_labels() if in_ray else {}
-        override = self.options.islands.get(rank) or os.environ.get("HETCCL_ISLAND")
-        found = (verbs.discover() if self.options.transport != "tcp"
-                 else verbs.Discovery((), "transport='tcp' was asked for"))
-        record = {"island": island_for(override, labels, devices.local_accelerator()), "host": host,
-                  "port": self.border.address[1], "world_size": world_size, "rdma": found.to_record()}
-        if rank == 0:
-            record.update(store_port=getattr(self._store, "port", 0), secret=secrets.token_hex(32))
-        self._rendezvous.put(f"rank/{rank}", record)
         try:
-            records = self._rendezvous.wait([f"rank/{r}" for r in range(world_size)], deadline)
-        except HetCCLTimeoutError as exc:
-            self._abandon()
-            missing = sorted(int(key.split("/")[1]) for key in exc.missing)
-            raise HetCCLTimeoutError(f"forming group '{group_name}' on rank {rank} timed out after "
-                                     f"{self.options.timeout_s:.1f}s; ranks that did not arrive: {missing}") from None
-        records = [records[f"rank/{r}"] for r in range(world_size)]
-        disagree = {r: rec.get("world_size") for r, rec in enumerate(records) if rec.get("world_size") != world_size}
-        if disagree:
-            self._abandon()
-            raise HetCCLMismatchError(f"forming group '{group_name}': rank {rank} has world_size {world_size} "
-                                      f"but ranks {sorted(disagree)} have {sorted(set(disagree.values()))}")
-        self.topology = Topology.from_islands([rec["island"] for rec in records], self.options.max_lanes)
-        self.border.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank},
-                              bytes.fromhex(records[0]["secret"]), frozenset(self.island.ranks) - {rank})
-        try:
-            self.border.connect_all(max(deadline - time.monotonic(), 1.0))
-            self._connect_border(found, records, deadline)
+            formed = form(world_size, rank, group_name, self.options, store)
         except HetCCLError:
-            self._abandon()
+            self._pipeline.shutdown()
             raise
-        self._store_address = (records[0]["host"], records[0]["store_port"])
-        self._progress = _Progress(self._rendezvous, rank)
+        self.topology, self.border, self.transports = formed.topology, formed.border, formed.transports
+        self._rendezvous, self._store, self._store_address = formed.rendezvous, formed.store, formed.store_address
+        for peer, choice in self.lane_transports().items():
+            logger.info("hetccl group '%s' rank %d -> rank %d: %s (%s)", group_name, rank, peer, choice.transport,
+                        choice.why)
+        self._progress = Progress(self._rendezvous, rank)
         self._island_for(devices.HOST)
         self._calibrate()
         logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
 
     def _calibrate(self) -> None:
-        """Set the small-message thresholds: from the ``small_bytes`` option, else from link
-        costs measured now (timed rows-only rounds and small-round broadcasts, costs.py),
-        which rank 0 measures and broadcasts so that every rank picks the same plans."""
-        self.costs: Optional[costs.LinkCosts] = None
-        self._probe_bytes = (0, 0, 0, 0)
-        self._probe_messages = 0
-        if self.options.small_bytes is not None or self.world_size == 1:
-            self.small_bytes = dict.fromkeys(costs.OPS, self.options.small_bytes or 0)
-            return
-        self.small_bytes = dict.fromkeys(costs.OPS, costs.MAX_SMALL_BYTES)  # the probes below go small
-        hops = _timed(self.barrier, _PROBE_ROUNDS + 1)[1:]
-        moves = {size: _timed(lambda probe=torch.zeros(size // 8, dtype=torch.float64): self.broadcast(probe),
-                              _PROBE_ROUNDS) for size in _PROBE_BYTES}
-        measured = costs.measure(hops, moves, self.topology)
-        agreed = torch.tensor([measured.hop_s, measured.bytes_per_s], dtype=torch.float64)
-        self.broadcast(agreed)
-        devices.synchronize(agreed, self.options.timeout_s)  # an emulated device lands it later
-        self.costs = costs.LinkCosts(*agreed.tolist())
-        self.small_bytes = costs.thresholds(self.topology, self.costs)
+        """The planner (planner.py): the flat library where it may run (``flat`` option,
+        several islands), the small-round thresholds and the flat plan's sizes, from the
+        options or measured now; then numbering and counters start for the user's ops."""
+        self._probe_bytes, self._probe_messages = (0, 0, 0, 0), 0
+        flat = self.options.flat != "off" and len(self.topology.islands) > 1
+        self._flat = self._flat_library() if flat else None
+        self.planner = planner.Planner(self.topology)
+        planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
+                          (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
+                          self.barrier, self.broadcast,
+                          lambda t: devices.synchronize(t, self.options.timeout_s))
         # the probes are not the user's ops: numbering and counters start after them (every
         # message of theirs was received in order before a rank's next op can arrive)
         self._seq = self._progress.seq = 0
@@ -218,11 +106,25 @@ class HetCCLGroup(BaseGroup):
         self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received, self.border.wire_bytes_sent,
                              self.border.wire_bytes_received)
 
+    def _flat_library(self) -> IslandComm:
+        """Gloo over every rank, ranked in island-major order (the layout of per-rank chunks),
+        so that its one-island plans run on the group's buffers as they are."""
+        order = self.topology.island_major_order()
+        return self._library(devices.HOST, "flat", order.index(self.rank), self.world_size)
+
+    @property
+    def small_bytes(self) -> dict[str, int]:
+        """Per op, the largest buffer (nccl-tests' size) that takes the small round."""
+        return self.planner.small_bytes
+
+    def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True) -> str:
+        """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round",
+        "flat" (CPU tensors on every rank) or "plan" (one island: the vendor op)."""
+        return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
+
     def cost_model(self) -> list[str]:
-        """The link costs and the small-message threshold of each op, as lines for a header."""
-        source = self.costs.describe() if self.costs else "small_bytes option"
-        limits = ", ".join(f"{op} <= {size:,} B" for op, size in self.small_bytes.items())
-        return [f"cost model: {source}", f"small-message round for: {limits}"]
+        """The link costs and the plan each op takes by size, as lines for a header."""
+        return self.planner.describe()
 
     def __repr__(self) -> str:
         return (f"HetCCLGroup(name={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "
@@ -241,35 +143,6 @@ class HetCCLGroup(BaseGroup):
         """This rank's island (name, index, ranks)."""
         return self.topology.island_of(self.rank)
 
-    def _abandon(self) -> None:
-        """Release what a group that failed to form had started."""
-        self.border.close()
-        self._pipeline.shutdown()
-
-    def _connect_border(self, found: verbs.Discovery, records: list[dict], deadline: float) -> None:
-        """Choose each cross-island peer's transport; open RDMA queue pairs to those that get it."""
-        self.transports: dict[int, Choice] = {}
-        for peer in range(self.world_size):
-            if peer not in self.island.ranks:
-                theirs = verbs.Discovery.from_record(records[peer].get("rdma"))
-                self.transports[peer] = choose(self.options.transport, self.rank, found, peer, theirs)
-        rdma_peers = sorted(peer for peer, choice in self.transports.items() if choice.transport == "rdma")
-        if rdma_peers:
-            port = verbs.pick_port(found.ports, self.topology.local_rank(self.rank), devices.accelerator_numa_node())
-            rdma = RdmaBorder(self.rank, verbs.PyverbsNic(port), self._rendezvous,
-                              timeout_s=max(deadline - time.monotonic(), 1.0))
-            try:
-                rdma.connect(rdma_peers)
-            except HetCCLError:
-                rdma.close()
-                raise
-            self.border = RoutedBorder(self.border, {peer: rdma for peer in rdma_peers})
-        else:
-            self.border = RoutedBorder(self.border)
-        for peer, choice in self.lane_transports().items():
-            logger.info("hetccl group '%s' rank %d -> rank %d: %s (%s)", self.group_name, self.rank, peer,
-                        choice.transport, choice.why)
-
     def lane_transports(self) -> dict[int, Choice]:
         """The transport to each peer of this rank's lane in other islands (none off-lane)."""
         lane = self.topology.lane_of(self.rank)
@@ -282,17 +155,19 @@ class HetCCLGroup(BaseGroup):
         island rank makes it at the same op, since ranks of one island agree on the device)."""
         if device.kind not in self._islands:
             island = self.island
-            if island.size == 1:  # a lone rank needs no store connection
-                self._islands[device.kind] = make_island(device, None, 0, 1, self.options.timeout_s)
-            else:
-                store = self._store or dist.TCPStore(*self._store_address, None, False,
-                                                     timeout=datetime.timedelta(seconds=self.options.timeout_s))
-                self._store = store
-                prefix = f"{self._rendezvous.prefix}{island.name}/{device.kind}"
-                self._islands[device.kind] = make_island(
-                    device, dist.PrefixStore(prefix, store), self.topology.local_rank(self.rank), island.size,
-                    self.options.timeout_s, self.border.address[0], getattr(device, "device", None))
+            self._islands[device.kind] = self._library(device, f"{island.name}/{device.kind}",
+                                                       self.topology.local_rank(self.rank), island.size)
         return self._islands[device.kind]
+
+    def _library(self, device: devices.Device, name: str, rank: int, size: int) -> IslandComm:
+        """A vendor communicator of ``size`` ranks named ``name`` in this group's store."""
+        if size == 1:  # a lone rank needs no store connection
+            return make_island(device, None, 0, 1, self.options.timeout_s)
+        store = self._store or dist.TCPStore(*self._store_address, None, False,
+                                             timeout=datetime.timedelta(seconds=self.options.timeout_s))
+        self._store = store
+        return make_island(device, dist.PrefixStore(f"{self._rendezvous.prefix}{name}", store), rank, size,
+                           self.options.timeout_s, self.border.address[0], getattr(device, "device", None))
 
     def border_stats(self) -> dict[str, Any]:
         """Bytes this rank sent/received over the border, in all and per op, and on the wire
@@ -386,7 +261,7 @@ class HetCCLGroup(BaseGroup):
                   before: Optional[Callable], after: Optional[Callable]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
         problem = None
-        by_round = small is not None and self._small(call)
+        by_round = small is not None and self.plan_of(call.op, self._whole_bytes(call)) == planner.ROUND
         if before is not None:
             ctx.launch(before)
         if peer is not None or self.world_size == 1:
@@ -401,6 +276,9 @@ class HetCCLGroup(BaseGroup):
             if check is not None or self.options.check_calls or body is None:
                 problem = (check or tree.check)(ctx, replace(call, seq=seq))
             if problem is None and body is not None and call.numel:
+                if small is not None and self.plan_of(call.op, self._whole_bytes(call),
+                                                      ctx.every_rank_on_host()) == planner.FLAT:
+                    ctx.flat = self._flat
                 body(ctx)
         if problem is None and after is not None:
             ctx.launch(after)
@@ -437,12 +315,10 @@ class HetCCLGroup(BaseGroup):
                 ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)
         return problem
 
-    def _small(self, call: Call) -> bool:
-        """Whether a call goes by the small-message round: its buffer (nccl-tests' size) is at
-        most the group's threshold for that op."""
+    def _whole_bytes(self, call: Call) -> int:
+        """A call's buffer in nccl-tests' size (allgather's output, reducescatter's input)."""
         per_rank = call.numel * call.dtype.itemsize
-        whole = per_rank * (self.world_size if call.op in ("allgather", "reducescatter") else 1)
-        return whole <= self.small_bytes.get(call.op, 0)
+        return per_rank * (self.world_size if call.op in ("allgather", "reducescatter") else 1)
 
     def _explain(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
         """The error to raise: what failed, where, and which ranks did not arrive."""
@@ -461,43 +337,11 @@ class HetCCLGroup(BaseGroup):
                                       f"for peers; timeout {self.options.timeout_s:.0f} s); {arrival}{detail} ({text})")
         return HetCCLPeerError(f"{where} failed: {text}; {arrival}")
 
-    # -- argument checks -------------------------------------------------------------------------
-
-    def _one(self, tensors: Any, what: str) -> Any:
-        if isinstance(tensors, (list, tuple)):
-            if len(tensors) != 1:
-                raise HetCCLInputError(f"group '{self.group_name}': {what} takes one tensor per rank, got a list of "
-                                 f"{len(tensors)} (multi-GPU lists are not supported by hetccl)")
-            return tensors[0]
-        return tensors
-
-    def _rank_arg(self, rank: int, what: str) -> int:
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise HetCCLInputError(f"group '{self.group_name}': {what} {rank!r} is not a rank of this group of "
-                             f"{self.world_size} (0..{self.world_size - 1})")
-        return rank
-
-    def _per_rank_list(self, lists: Any, what: str, nested: bool = True, moving: bool = False) -> list[Operand]:
-        """One operand per rank; ``nested``: Ray's form, a list holding that list (multi-GPU)."""
-        tensor_list = self._one(lists, what) if nested else lists
-        if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != self.world_size:
-            got = len(tensor_list) if isinstance(tensor_list, (list, tuple)) else type(tensor_list).__name__
-            raise HetCCLInputError(f"group '{self.group_name}': {what} must be a list of world_size="
-                             f"{self.world_size} tensors, got {got}")
-        return [Operand(t, moving) for t in tensor_list]
-
-    @staticmethod
-    def _reduce_op(options: Any) -> str:
-        op = getattr(options, "reduceOp", ReduceOp.SUM)
-        if op not in _RAY_OPS:
-            raise HetCCLInputError(f"unsupported reduce op {op!r}; supported: SUM, PRODUCT, MIN, MAX")
-        return _RAY_OPS[op]
-
     # -- BaseGroup ops ---------------------------------------------------------------------------
 
     def allreduce(self, tensor: Any, allreduce_options: Any = AllReduceOptions()) -> None:
-        x = Operand(self._one(tensor, "allreduce"))
-        op = self._reduce_op(allreduce_options)
+        x = Operand(self.args.one(tensor, "allreduce"))
+        op = self.args.reduce_op(allreduce_options)
         self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat,
                   lambda ctx: plans.allreduce(ctx, x.flat, op), lambda ctx, c, buf: tree.allreduce(ctx, c, buf, op),
                   staged=[x.flat], after=x.write_back)
@@ -506,9 +350,9 @@ class HetCCLGroup(BaseGroup):
         self._run(Call("barrier", torch.uint8, 0), None, None)
 
     def reduce(self, tensor: Any, reduce_options: Any = ReduceOptions()) -> None:
-        x = Operand(self._one(tensor, "reduce"))
-        root = self._rank_arg(reduce_options.root_rank, "reduce root")
-        op = self._reduce_op(reduce_options)
+        x = Operand(self.args.one(tensor, "reduce"))
+        root = self.args.rank(reduce_options.root_rank, "reduce root")
+        op = self.args.reduce_op(reduce_options)
         work = x.flat if self.rank == root else self._scratch.get("reduce", x.numel, x.flat)  # others keep theirs
         self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat,
                   lambda ctx: plans.reduce(ctx, work, root, op), lambda ctx, c, buf: tree.reduce(ctx, c, buf, root, op),
@@ -516,15 +360,15 @@ class HetCCLGroup(BaseGroup):
                   after=x.write_back if self.rank == root else None)
 
     def broadcast(self, tensor: Any, broadcast_options: Any = BroadcastOptions()) -> None:
-        x = Operand(self._one(tensor, "broadcast"), moving=True)
-        root = self._rank_arg(broadcast_options.root_rank, "broadcast root")
+        x = Operand(self.args.one(tensor, "broadcast"), moving=True)
+        root = self.args.rank(broadcast_options.root_rank, "broadcast root")
         self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat,
                   lambda ctx: plans.broadcast(ctx, x.flat, root), lambda ctx, c, buf: tree.broadcast(ctx, c, buf, root),
                   staged=[x.flat], after=x.write_back)
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
-        x = Operand(self._one(tensor, "allgather input"), moving=True)
-        outputs = self._per_rank_list(tensor_list, "allgather output tensor_list", moving=True)
+        x = Operand(self.args.one(tensor, "allgather input"), moving=True)
+        outputs = self.args.per_rank_list(tensor_list, "allgather output tensor_list", moving=True)
         same_kind(x, outputs, "allgather output tensor_list")
         n, order = x.numel, self.topology.island_major_order()
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
@@ -541,10 +385,10 @@ class HetCCLGroup(BaseGroup):
 
     def reducescatter(self, tensor: Any, tensor_list: Any,
                       reducescatter_options: Any = ReduceScatterOptions()) -> None:
-        out = Operand(self._one(tensor, "reducescatter output"))
-        inputs = self._per_rank_list(tensor_list, "reducescatter input tensor_list")
+        out = Operand(self.args.one(tensor, "reducescatter output"))
+        inputs = self.args.per_rank_list(tensor_list, "reducescatter input tensor_list")
         same_kind(out, inputs, "reducescatter input tensor_list")
-        op = self._reduce_op(reducescatter_options)
+        op = self.args.reduce_op(reducescatter_options)
         n, order = out.numel, self.topology.island_major_order()
         buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
 
@@ -566,8 +410,8 @@ class HetCCLGroup(BaseGroup):
         """Send ``tensor_list_in[t]`` to rank t, receive ``tensor_list_out[r]`` from rank r.
         Sizes may differ per pair (MoE token routing), but what r sends t must be what t
         expects from r: a pair that disagrees is a mismatch on every rank, no data moved."""
-        ins = self._per_rank_list(tensor_list_in, "alltoall tensor_list_in", nested=False, moving=True)
-        outs = self._per_rank_list(tensor_list_out, "alltoall tensor_list_out", nested=False, moving=True)
+        ins = self.args.per_rank_list(tensor_list_in, "alltoall tensor_list_in", nested=False, moving=True)
+        outs = self.args.per_rank_list(tensor_list_out, "alltoall tensor_list_out", nested=False, moving=True)
         self.alltoall_flat([x.flat for x in ins], [x.flat for x in outs], after=lambda: [o.write_back() for o in outs])
 
     def alltoall_flat(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -591,9 +435,9 @@ class HetCCLGroup(BaseGroup):
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the
         all-to-all plan with blocks to root only, so bytes cross the border once."""
-        x = Operand(self._one(tensor, "gather"), moving=True)
-        root = self._rank_arg(root, "gather root")
-        outs = self._per_rank_list(gather_list, "gather_list", nested=False, moving=True) if self.rank == root else []
+        x = Operand(self.args.one(tensor, "gather"), moving=True)
+        root = self.args.rank(root, "gather root")
+        outs = self.args.per_rank_list(gather_list, "gather_list", nested=False, moving=True) if self.rank == root else []
         same_kind(x, outs, "gather_list")
         n, empty = x.numel, x.flat[:0]
         counts = [[n if t == root else 0 for t in range(self.world_size)] for _ in range(self.world_size)]
@@ -605,9 +449,9 @@ class HetCCLGroup(BaseGroup):
     def scatter(self, tensor: Any, scatter_list: Any, root: int) -> None:
         """``scatter_list[t]`` at ``root`` into rank t's ``tensor``: the all-to-all plan with
         blocks from root only."""
-        x = Operand(self._one(tensor, "scatter"), moving=True)
-        root = self._rank_arg(root, "scatter root")
-        ins = self._per_rank_list(scatter_list, "scatter_list", nested=False, moving=True) if self.rank == root else []
+        x = Operand(self.args.one(tensor, "scatter"), moving=True)
+        root = self.args.rank(root, "scatter root")
+        ins = self.args.per_rank_list(scatter_list, "scatter_list", nested=False, moving=True) if self.rank == root else []
         same_kind(x, ins, "scatter_list")
         n, empty = x.numel, x.flat[:0]
         counts = [[n if r == root else 0 for _ in range(self.world_size)] for r in range(self.world_size)]
@@ -619,7 +463,7 @@ class HetCCLGroup(BaseGroup):
     def recv_any(self, tensor: Any) -> int:
         """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
         CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
-        x = Operand(self._one(tensor, "recv from any source"), moving=True)
+        x = Operand(self.args.one(tensor, "recv from any source"), moving=True)
         rdma = sorted(self.border.routes)
         if not devices.of(x.flat).host or rdma:
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
@@ -637,8 +481,8 @@ class HetCCLGroup(BaseGroup):
         return source
 
     def _p2p_operand(self, op: str, tensor: Any, peer: int) -> tuple[Operand, int]:
-        x = Operand(self._one(tensor, op), moving=True)
-        peer = self._rank_arg(peer, f"{op} peer")
+        x = Operand(self.args.one(tensor, op), moving=True)
+        peer = self.args.rank(peer, f"{op} peer")
         if peer == self.rank:
             raise HetCCLInputError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
         return x, peer
@@ -698,9 +542,10 @@ class HetCCLGroup(BaseGroup):
         self._progress.close()
         self.border.close()
         self._pipeline.shutdown(wait=True, cancel_futures=True)
-        for island in self._islands.values():
-            island.close()
+        for library in [*self._islands.values(), *([self._flat] if self._flat is not None else [])]:
+            library.close()
         self._islands.clear()
+        self._flat = None
         for key in (f"rank/{self.rank}", f"progress/{self.rank}"):
             self._rendezvous.delete(key)
         self._store = None

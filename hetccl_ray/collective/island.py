@@ -14,9 +14,9 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from hetccl_ray.collective.reduction import REDUCE_OPS as _OP_NAMES, combine
+from hetccl_ray.buffers import REDUCE_OPS as _OP_NAMES, ScratchPool, combine
 from hetccl_ray.devices import Device
-from hetccl_ray.errors import HetCCLError
+from hetccl_ray.errors import HetCCLError, HetCCLTimeoutError
 
 REDUCE_OPS = dict(zip(_OP_NAMES, (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX)))
 
@@ -65,6 +65,18 @@ def ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
 def _pieces(count: int, step: int) -> list[tuple[int, int]]:
     """(start, length) pieces of ``count`` elements, ``step`` at a time."""
     return [(start, min(step, count - start)) for start in range(0, count, step)]
+
+
+def _done(work: "dist.Work") -> None:
+    """Wait for a library op. The library reports a timeout only in its message (Gloo:
+    "Timed out waiting ... for recv"), so it becomes a ``HetCCLTimeoutError`` here, once,
+    and the layers above classify errors by type."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        if any(word in str(exc).lower() for word in ("timed out", "timeout")):
+            raise HetCCLTimeoutError(f"island library: {exc}") from exc
+        raise
 
 
 class SoloIsland:
@@ -117,15 +129,10 @@ class TorchIsland:
     def __init__(self, pg: "dist.ProcessGroup", rank: int, size: int, native: bool) -> None:
         self.pg, self.rank, self.size = pg, rank, size
         self.native = native
-        self._scratch: dict[tuple, torch.Tensor] = {}
+        self._scratch = ScratchPool()
 
     def _staging(self, n: int, like: torch.Tensor, slot: int = -1) -> torch.Tensor:
-        """A reused buffer: fresh memory is slow to touch on first use."""
-        key = (slot, like.dtype, like.device)
-        buf = self._scratch.get(key)
-        if buf is None or buf.numel() < n:
-            buf = self._scratch[key] = torch.empty(n, dtype=like.dtype, device=like.device)
-        return buf[:n]
+        return self._scratch.get(slot, n, like)
 
     @staticmethod
     def _opts(cls, op: str | None = None, root: int | None = None):
@@ -138,7 +145,7 @@ class TorchIsland:
         return opts
 
     def allreduce(self, buf: torch.Tensor, op: str) -> None:
-        self.pg.allreduce([buf], self._opts(dist.AllreduceOptions, op)).wait()
+        _done(self.pg.allreduce([buf], self._opts(dist.AllreduceOptions, op)))
 
     def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
         owners = [r for r, count in enumerate(counts) if count]
@@ -147,9 +154,9 @@ class TorchIsland:
             out = self._staging(count, buf)
             opts = self._opts(dist.ReduceScatterOptions, op)
             if len(set(counts)) == 1:
-                self.pg._reduce_scatter_base(out, buf, opts).wait()
+                _done(self.pg._reduce_scatter_base(out, buf, opts))
             else:
-                self.pg.reduce_scatter([out], [[buf[o:o + n] for o, n in ranges(counts)]], opts).wait()
+                _done(self.pg.reduce_scatter([out], [[buf[o:o + n] for o, n in ranges(counts)]], opts))
             buf[offset:offset + count].copy_(out)
         elif len(owners) == 1:
             self.reduce(buf, owners[0], op)
@@ -178,12 +185,12 @@ class TorchIsland:
         for i, (start, n) in enumerate(pieces):
             works = pending.pop(0)
             for peer, work in zip(peers, works):
-                work.wait()
+                _done(work)
                 combine(mine[start:start + n], slots[peer][i % _DEPTH, :n], op)
             if i + _DEPTH < len(pieces):
                 pending.append(post(i + _DEPTH))
         for work in sends:
-            work.wait()
+            _done(work)
 
     def allgather(self, buf: torch.Tensor, counts: Sequence[int]) -> None:
         spans = ranges(counts)
@@ -192,9 +199,9 @@ class TorchIsland:
             mine = self._staging(count, buf)
             mine.copy_(buf[offset:offset + count])
             if len(set(counts)) == 1:
-                self.pg._allgather_base(buf, mine).wait()
+                _done(self.pg._allgather_base(buf, mine))
             else:
-                self.pg.allgather([[buf[o:o + n] for o, n in spans]], [mine]).wait()
+                _done(self.pg.allgather([[buf[o:o + n] for o, n in spans]], [mine]))
             return
         offset, count = spans[self.rank]
         works = [self.pg.send([buf[offset:offset + count]], peer, _AG_TAG)
@@ -202,7 +209,7 @@ class TorchIsland:
         works += [self.pg.recv([buf[o:o + n]], peer, _AG_TAG) for peer, (o, n) in enumerate(spans)
                   if n and peer != self.rank]
         for work in works:
-            work.wait()
+            _done(work)
 
     def gather(self, buf: torch.Tensor, counts: Sequence[int], root: int) -> None:
         for peer, (offset, count) in enumerate(ranges(counts)):
@@ -213,23 +220,23 @@ class TorchIsland:
                     self.recv(buf[offset:offset + count], peer)
 
     def broadcast(self, buf: torch.Tensor, root: int) -> None:
-        self.pg.broadcast([buf], self._opts(dist.BroadcastOptions, root=root)).wait()
+        _done(self.pg.broadcast([buf], self._opts(dist.BroadcastOptions, root=root)))
 
     def reduce(self, buf: torch.Tensor, root: int, op: str) -> None:
-        self.pg.reduce([buf], self._opts(dist.ReduceOptions, op, root)).wait()
+        _done(self.pg.reduce([buf], self._opts(dist.ReduceOptions, op, root)))
 
     def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_counts: Sequence[int],
                  in_counts: Sequence[int]) -> None:
-        self.pg.alltoall_base(out, inp, list(out_counts), list(in_counts), dist.AllToAllOptions()).wait()
+        _done(self.pg.alltoall_base(out, inp, list(out_counts), list(in_counts), dist.AllToAllOptions()))
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
-        self.pg.send([buf], peer, 0).wait()
+        _done(self.pg.send([buf], peer, 0))
 
     def recv(self, buf: torch.Tensor, peer: int) -> None:
-        self.pg.recv([buf], peer, 0).wait()
+        _done(self.pg.recv([buf], peer, 0))
 
     def barrier(self) -> None:
-        self.pg.barrier().wait()
+        _done(self.pg.barrier())
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)

@@ -11,6 +11,7 @@ from hetccl_ray.compress.policy import MODES as COMPRESS_MODES
 from hetccl_ray.transport.choice import TRANSPORTS
 
 DEFAULT_TIMEOUT_S = 300.0
+FLAT_MODES = ("auto", "on", "off")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -40,6 +41,10 @@ class GroupOptions:
     small_bytes: collectives up to this size (nccl-tests' size: the gathered
         output of allgather, the input of reducescatter) take the small-message round
         (``HETCCL_SMALL_BYTES``; default: from the cost model measured at formation).
+    flat: the flat plan, one Gloo op over every rank for CPU tensors (after the call check):
+        "auto" (where the cost model measured at formation says it is faster than the
+        hierarchical plan: one host, a fast network), "on" (every call above the small
+        round's size) or "off" (``HETCCL_FLAT``).
     compress: lossless compression of float payloads to other islands over TCP: "auto"
         (each link compresses when its measured rate and the codec's speed and ratio say it
         saves time), "on" or "off" (``HETCCL_COMPRESS``; compress/policy.py).
@@ -57,6 +62,7 @@ class GroupOptions:
     small_bytes: Optional[int] = field(default_factory=lambda: int(os.environ["HETCCL_SMALL_BYTES"])
                                        if os.environ.get("HETCCL_SMALL_BYTES") else None)
     compress: str = field(default_factory=lambda: os.environ.get("HETCCL_COMPRESS") or "auto")
+    flat: str = field(default_factory=lambda: os.environ.get("HETCCL_FLAT") or "auto")
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -71,6 +77,8 @@ class GroupOptions:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.compress not in COMPRESS_MODES:
             raise ValueError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
+        if self.flat not in FLAT_MODES:
+            raise ValueError(f"flat must be one of {FLAT_MODES}, got {self.flat!r}")
         self.islands = {int(rank): str(name) for rank, name in self.islands.items()}
 
     def to_json(self) -> bytes:
@@ -79,3 +87,40 @@ class GroupOptions:
     @classmethod
     def from_json(cls, raw: Optional[bytes]) -> "GroupOptions":
         return cls(**json.loads(raw)) if raw else cls()
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """What each rank's own process environment says (per host or per process, so read where
+    the rank runs, never shipped from the driver), validated once at formation.
+
+    island: this process's island (``HETCCL_ISLAND``), below ``GroupOptions.islands``.
+    rdma_devices: only these RDMA devices (``HETCCL_RDMA_DEVICES``, comma list).
+    rdma_gid_index: the GID table entry to use (``HETCCL_RDMA_GID_INDEX``).
+    """
+
+    island: Optional[str] = None
+    rdma_devices: tuple[str, ...] = ()
+    rdma_gid_index: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.island is not None and (not self.island or self.island != self.island.strip()):
+            raise ValueError(f"HETCCL_ISLAND must be a name without surrounding spaces, got {self.island!r}")
+        if self.rdma_gid_index is not None and self.rdma_gid_index < 0:
+            raise ValueError(f"HETCCL_RDMA_GID_INDEX must be >= 0, got {self.rdma_gid_index}")
+
+    @classmethod
+    def from_env(cls) -> "ProcessOptions":
+        return cls(os.environ.get("HETCCL_ISLAND") or None,
+                   tuple(d.strip() for d in os.environ.get("HETCCL_RDMA_DEVICES", "").split(",") if d.strip()),
+                   _env_int("HETCCL_RDMA_GID_INDEX"))

@@ -28,8 +28,9 @@ import torch
 
 from hetccl_ray.collective import routes, schedule
 from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.collective.reduction import copy
-from hetccl_ray.collective.runner import PlanContext, execute, pipelined, view
+from hetccl_ray.buffers import copy
+from hetccl_ray.buffers import view
+from hetccl_ray.collective.runner import PlanContext, execute, pipelined
 from hetccl_ray.transport.base import Border
 
 
@@ -48,7 +49,12 @@ class LazyIsland:
 
 
 def plan_for(ctx: PlanContext, op: str, buf: torch.Tensor, root: int = 0) -> schedule.Plan:
-    """This rank's (cached) plan of ``op`` over ``buf``, in the context's pieces."""
+    """This rank's (cached) plan of ``op`` over ``buf``, in the context's pieces; the flat
+    plan (one island of every rank, in island-major order) where the planner chose it."""
+    if ctx.flat is not None:
+        order = ctx.topo.island_major_order()
+        return schedule.build(schedule.flat_topology(len(order)), order.index(ctx.rank), op, buf.numel(),
+                              order.index(root))
     largest = schedule.largest_region(ctx.topo, op, buf.numel()) * buf.element_size()
     return schedule.build(ctx.topo, ctx.rank, op, buf.numel(), root, ctx.pieces(largest))
 

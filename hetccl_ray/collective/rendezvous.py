@@ -29,6 +29,14 @@ def delete(key: str) -> None:
     kv._internal_kv_del(key, namespace=NAMESPACE)
 
 
+class RecordsMissing(HetCCLTimeoutError):
+    """Records that did not arrive before the deadline (``missing``: their keys)."""
+
+    def __init__(self, message: str, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 class Rendezvous:
     """Records of one group incarnation: ``{group}/{generation}/...`` keys holding JSON.
 
@@ -67,10 +75,8 @@ class Rendezvous:
             if not pending:
                 return found
             if time.monotonic() >= deadline:
-                error = HetCCLTimeoutError(
-                    f"group '{self.group_name}': records did not arrive before the deadline: {sorted(pending)}")
-                error.missing = pending
-                raise error
+                raise RecordsMissing(f"group '{self.group_name}': records did not arrive before the deadline: "
+                                     f"{sorted(pending)}", sorted(pending))
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 

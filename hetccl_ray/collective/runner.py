@@ -20,9 +20,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from hetccl_ray import buffers
+from hetccl_ray.buffers import combine, view
 from hetccl_ray.collective.calls import all_host
 from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.collective.reduction import combine
 from hetccl_ray.collective.schedule import BorderStep, IslandStep, Plan, Span
 from hetccl_ray.devices import HOST, Device, StreamLike
 from hetccl_ray.errors import HetCCLTimeoutError
@@ -30,27 +31,13 @@ from hetccl_ray.topology import Topology
 from hetccl_ray.transport.base import Border, Handle, Tag
 
 
-class ScratchPool:
-    """Buffers kept between calls (fresh memory is slow to touch): the one get-or-grow."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
-
-    def _grown(self, key: tuple, n: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < n:
-            buf = self._buffers[key] = make(n)
-        return buf[:n]
-
-    def get(self, slot: object, n: int, like: torch.Tensor) -> torch.Tensor:
-        """``n`` elements of ``like``'s dtype on its device."""
-        return self._grown((slot, like.dtype, like.device), n,
-                           lambda size: torch.empty(size, dtype=like.dtype, device=like.device))
+class ScratchPool(buffers.ScratchPool):
+    """The scratch pool of plans, with host copies of device buffers for staging."""
 
     def host(self, slot: object, like: torch.Tensor, device: Device) -> torch.Tensor:
         """Host memory for a copy of ``like`` (pinned where ``device`` copies from it faster)."""
-        return self._grown(("host", slot, like.dtype), like.numel(),
-                           lambda size: device.host_buffer(max(size, 1) * like.element_size()).view(like.dtype))
+        return self.grown(("host", slot, like.dtype), like.numel(),
+                          lambda size: device.host_buffer(max(size, 1) * like.element_size()).view(like.dtype))
 
 
 Recv = tuple  # (peer, buffer) or (peer, buffer, reduce op): received as a copy, or reduced as it lands
@@ -73,6 +60,7 @@ class PlanContext:
     device: Device = HOST  # whose memory the op's buffers are, and how work on it is ordered
     stream: Optional[StreamLike] = None  # the op's side stream on that device
     rows: Optional[dict[int, list[int]]] = None  # every rank's call row, once a round agreed them
+    flat: Optional[IslandComm] = None  # the library over every rank, when the planner chose the flat plan
 
     def __post_init__(self) -> None:
         self.vendor = self.island  # the island library itself; ``island`` launches on the stream
@@ -147,11 +135,6 @@ class _Launched:
         return lambda *args: self._ctx.launch(op, *args)
 
 
-def view(buf: torch.Tensor, span: Span) -> torch.Tensor:
-    offset, length = span
-    return buf[offset:offset + length]
-
-
 def pipelined(ctx: PlanContext, count: int, before: Callable[[int], None], across: Callable[[int], None],
               after: Callable[[int], None]) -> None:
     """Run each piece's island stage ``before``, border stage ``across`` and island stage
@@ -192,10 +175,13 @@ _ISLAND_CALLS: dict[str, Callable] = {
 
 def execute(ctx: PlanContext, plan: Plan, buf: torch.Tensor, op: Optional[str] = None) -> torch.Tensor:
     """Run ``plan`` over the flat ``buf`` (``op``: the reduce op of its folds and island
-    reductions); returns the view that holds this rank's result."""
+    reductions; island steps on the flat library where the planner chose it); returns the
+    view that holds this rank's result."""
+    library = ctx.flat if ctx.flat is not None else ctx.island
+
     def island(steps: Sequence[IslandStep]) -> None:
         for step in steps:
-            _ISLAND_CALLS[step.op](ctx.island, view(buf, step.span), step, op)
+            _ISLAND_CALLS[step.op](library, view(buf, step.span), step, op)
 
     def across(steps: Sequence[BorderStep]) -> None:
         for step in steps:

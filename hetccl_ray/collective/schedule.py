@@ -297,6 +297,12 @@ def _step(sends: list[tuple[int, Span]], recvs: list[tuple[int, Span]], fold: bo
     return BorderStep(tuple(Move(p, s) for p, s in sends if s[1]), tuple(Move(p, s) for p, s in recvs if s[1]), fold)
 
 
+@functools.lru_cache(maxsize=64)
+def flat_topology(world: int) -> Topology:
+    """One island of ``world`` ranks: the layout of the flat plan (a library over every rank)."""
+    return Topology.from_islands(["flat"] * world)
+
+
 def bound(topo: Topology, op: str, nbytes: int) -> int:
     """The fewest bytes ``op`` must move across island boundaries, all ranks together, for a
     buffer of ``nbytes`` (nccl-tests' size: allgather's output, reducescatter's input)."""

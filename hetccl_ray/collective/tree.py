@@ -26,8 +26,7 @@ import torch
 
 from hetccl_ray.collective import routes
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement
-from hetccl_ray.collective.reduction import combine, copy
-from hetccl_ray.collective.runner import view
+from hetccl_ray.buffers import combine, copy, view
 from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from hetccl_ray import devices
-from hetccl_ray.collective.reduction import combine
+from hetccl_ray.buffers import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.transport.base import ByteCounter, Handle, Tag, chunks, mismatch
 

@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import torch
 
 from hetccl_ray import devices
-from hetccl_ray.collective.reduction import combine
+from hetccl_ray.buffers import ScratchPool, combine
 from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameReader
 from hetccl_ray.compress.planes import layout_for
 from hetccl_ray.compress.policy import LinkPolicy
@@ -274,7 +274,7 @@ class _Incoming:
             return True
         flat = self.buf.reshape(-1)
         n = len(self.view) // flat.element_size()
-        self._land(flat[self.piece_start:self.piece_start + n], link.staging[:len(self.view)])
+        self._land(flat[self.piece_start:self.piece_start + n], link.staging_for(len(self.view))[:len(self.view)])
         self.piece_start += n
         return self.piece_start >= flat.numel() or self._expect(self._landing(link))
 
@@ -338,9 +338,8 @@ class _Link:
         self.owner, self.peer, self.sock = owner, peer, sock
         self.counted = peer not in owner.local
         self.error: Optional[BaseException] = None
-        self.staging: Optional[torch.Tensor] = None
+        self._scratch = ScratchPool()
         self._send_slots: Optional[torch.Tensor] = None
-        self._frame_staging: dict[torch.device, torch.Tensor] = {}
         self.policy = LinkPolicy(owner.compress) if self.counted else None
         self.encoder, self.decoder = Encoder(), Decoder()
         self.sends: "collections.deque[_Outgoing]" = collections.deque()
@@ -353,14 +352,13 @@ class _Link:
 
     def frame_staging(self, device: torch.device) -> torch.Tensor:
         """Where a decoded frame lands before it is reduced or copied into its place."""
-        if device not in self._frame_staging:
-            self._frame_staging[device] = torch.empty(FRAME_BYTES, dtype=torch.uint8, device=device)
-        return self._frame_staging[device]
+        return self._scratch.grown(("frame", device), FRAME_BYTES,
+                                   lambda n: torch.empty(n, dtype=torch.uint8, device=device))
 
     def staging_for(self, nbytes: int) -> torch.Tensor:
-        if self.staging is None or self.staging.numel() < nbytes:
-            self.staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        return self.staging
+        """Host memory for ``nbytes`` of a device tensor (pinned where there is a GPU)."""
+        return self._scratch.grown("staging", nbytes,
+                                   lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
 
     def progress(self) -> bool:
         """Move every queued message as far as the socket allows; True if one finished."""

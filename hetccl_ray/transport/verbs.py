@@ -75,18 +75,13 @@ class Discovery:
         return Discovery(tuple(Port(**port) for port in record["ports"]), record["why"])
 
 
-def _wanted(name: str) -> bool:
-    only = os.environ.get("HETCCL_RDMA_DEVICES")
-    return not only or name in only.split(",")
-
-
-def _gid_index(ctx: Any, port: int, link_layer: str) -> tuple[int, str]:
-    """The GID to use: ``HETCCL_RDMA_GID_INDEX``, else the first non-zero entry (RoCE: a RoCE
-    v2 one first, which routes over IP, then an IPv4-mapped one, so that it routes like the
-    host's own address; the first IPv4-mapped entry is usually RoCE v1, which does not)."""
-    forced = os.environ.get("HETCCL_RDMA_GID_INDEX")
-    if forced:
-        return int(forced), str(ctx.query_gid(port, int(forced)).gid)
+def _gid_index(ctx: Any, port: int, link_layer: str, forced: Optional[int]) -> tuple[int, str]:
+    """The GID to use: ``forced`` (``HETCCL_RDMA_GID_INDEX``), else the first non-zero entry
+    (RoCE: a RoCE v2 one first, which routes over IP, then an IPv4-mapped one, so that it
+    routes like the host's own address; the first IPv4-mapped entry is usually RoCE v1, which
+    does not)."""
+    if forced is not None:
+        return forced, str(ctx.query_gid(port, forced).gid)
     found = []
     for index in range(ctx.query_port(port).gid_tbl_len):
         try:
@@ -131,8 +126,9 @@ def _numa_of(device: str) -> Optional[int]:
 
 
 @functools.cache
-def discover() -> Discovery:
-    """Every active port of every RDMA device here; none (with the reason) is an answer, not an error."""
+def discover(only: tuple[str, ...] = (), gid_index: Optional[int] = None) -> Discovery:
+    """Every active port of every RDMA device here (of ``only`` where given, with the GID
+    entry ``gid_index`` where given); none (with the reason) is an answer, not an error."""
     try:
         from pyverbs.device import Context, get_device_list
         from pyverbs.pyverbs_error import PyverbsError
@@ -145,7 +141,7 @@ def discover() -> Discovery:
     ports, skipped = [], []
     for device in devices:
         name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
-        if not _wanted(name):
+        if only and name not in only:
             skipped.append(f"{name}: not in HETCCL_RDMA_DEVICES")
             continue
         try:
@@ -156,7 +152,7 @@ def discover() -> Discovery:
                         skipped.append(f"{name}:{port}: not active")
                         continue
                     layer = "ethernet" if attr.link_layer == enum("IBV_LINK_LAYER_ETHERNET") else "infiniband"
-                    index, gid = _gid_index(ctx, port, layer)
+                    index, gid = _gid_index(ctx, port, layer, gid_index)
                     ports.append(Port(name, port, layer, attr.lid, index, gid, int(attr.active_mtu)))
         except (PyverbsError, LookupError) as exc:
             skipped.append(f"{name}: {exc}")

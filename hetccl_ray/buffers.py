@@ -1,6 +1,9 @@
-"""Elementwise reduction of received partials, with the tensor library's own ops on the device."""
+"""Flat buffers, shared by the collective and transport layers: elementwise reduction and
+copy (serial pieces on the CPU), spans, and the one get-or-grow scratch pool."""
 
 from __future__ import annotations
+
+from typing import Callable, Hashable
 
 import torch
 
@@ -40,3 +43,29 @@ def _combine(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
         torch.maximum(dst, src, out=dst)
     else:
         raise ValueError(f"unsupported reduce op {op!r}; supported: {', '.join(REDUCE_OPS)}")
+
+
+def view(buf: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """The ``(offset, length)`` span of a flat buffer."""
+    offset, length = span
+    return buf[offset:offset + length]
+
+
+class ScratchPool:
+    """Buffers kept between calls (fresh memory is slow to touch): the one get-or-grow."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[Hashable, torch.Tensor] = {}
+
+    def grown(self, key: Hashable, n: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The first ``n`` elements of the buffer kept under ``key``, made (by ``make(n)``)
+        when there is none or it is smaller."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = make(n)
+        return buf[:n]
+
+    def get(self, slot: Hashable, n: int, like: torch.Tensor) -> torch.Tensor:
+        """``n`` elements of ``like``'s dtype on its device."""
+        return self.grown((slot, like.dtype, like.device), n,
+                          lambda size: torch.empty(size, dtype=like.dtype, device=like.device))

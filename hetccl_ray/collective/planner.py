@@ -1,0 +1,102 @@
+"""The planner: which plan each call takes, from what every rank knows alike.
+
+Candidates per call: the small round (tree.py, 3 hops, call rows inside), the hierarchical
+plan (schedule.py), and the flat plan (one library over every rank: Gloo, for CPU tensors
+on every rank, after the rows check). The choice reads only the call's op and size, the
+agreed rows and the costs rank 0 measured at formation and broadcast (costs.py), never the
+local tensor, so every rank of a group of GPU and CPU islands takes the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from hetccl_ray.collective import costs
+from hetccl_ray.topology import Topology
+
+PROBE_ROUNDS, PROBE_BYTES = 5, (64 << 10, 1 << 20)  # formation's timed rounds for the cost model
+ROUND, PLAN, FLAT = "round", "plan", "flat"
+
+
+@dataclass
+class Planner:
+    """The plan choice of one group: small-round thresholds and where the flat plan starts."""
+
+    topology: Topology
+    small_bytes: dict[str, int] = field(default_factory=dict)
+    flat: bool = False  # a flat library exists (the ``flat`` option, several islands)
+    flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.OPS, math.inf))
+    link: Optional[costs.LinkCosts] = None
+    flat_link: Optional[costs.LinkCosts] = None
+
+    def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
+        """"round", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests' size).
+        The flat plan needs the rows (``checked``) to show CPU tensors on every rank."""
+        if nbytes <= self.small_bytes.get(op, 0):
+            return ROUND
+        if self.flat and every_rank_on_host and checked and nbytes >= self.flat_from.get(op, math.inf):
+            return FLAT
+        return PLAN
+
+    def describe(self) -> list[str]:
+        """The link costs and the plan each op takes by size, as lines for a header."""
+        limits = ", ".join(f"{op} <= {size:,} B" for op, size in self.small_bytes.items())
+        lines = [f"cost model: {self.link.describe() if self.link else 'small_bytes option'}",
+                 f"small-message round for: {limits}"]
+        if self.flat:
+            sizes = ", ".join(f"{op} >= {size:,.0f} B" for op, size in self.flat_from.items() if size < math.inf)
+            lines.append(f"flat Gloo over every rank ({self.flat_link.describe() if self.flat_link else 'flat=on'})"
+                         f" for: {sizes or 'none'}")
+        return lines
+
+
+def timed(op: Callable[[], None], rounds: int) -> list[float]:
+    """Seconds each of ``rounds`` calls of ``op`` took."""
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _probes(broadcast: Callable[[torch.Tensor], None], rounds: int) -> dict[int, list[float]]:
+    """Timed broadcasts of each probe size."""
+    return {size: timed(lambda probe=torch.zeros(size // 8, dtype=torch.float64): broadcast(probe), rounds)
+            for size in PROBE_BYTES}
+
+
+def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
+              barrier: Callable[[], None], broadcast: Callable[[torch.Tensor], None],
+              synchronize: Callable[[torch.Tensor], None]) -> None:
+    """Set the group's planner: thresholds from the ``small_bytes`` option, else from costs
+    measured now (timed rows-only rounds and small-round broadcasts through the group's own
+    ``barrier`` and ``broadcast``, which take the small round meanwhile; the flat library's
+    by ``flat_broadcast``), measured on rank 0 and broadcast so that every rank plans alike."""
+    topology = planner.topology
+    planner.flat = flat_broadcast is not None
+    planner.flat_from = dict.fromkeys(costs.OPS, 0.0 if flat_mode == "on" else math.inf)
+    if small_bytes is not None or topology.world_size == 1:
+        planner.small_bytes = dict.fromkeys(costs.OPS, small_bytes or 0)
+        return
+    planner.small_bytes = dict.fromkeys(costs.OPS, costs.MAX_SMALL_BYTES)  # the probes go by the small round
+    hops = timed(barrier, PROBE_ROUNDS + 1)[1:]
+    measured = costs.measure(hops, _probes(broadcast, PROBE_ROUNDS), topology)
+    numbers = [measured.hop_s, measured.bytes_per_s]
+    if planner.flat and flat_mode == "auto":
+        flat_link = costs.measure_flat(_probes(flat_broadcast, PROBE_ROUNDS), topology.world_size)
+        numbers += [flat_link.hop_s, flat_link.bytes_per_s]
+    agreed = torch.tensor(numbers, dtype=torch.float64)
+    broadcast(agreed)
+    synchronize(agreed)  # an emulated device lands it later
+    values = agreed.tolist()
+    planner.link = costs.LinkCosts(*values[:2])
+    planner.small_bytes = costs.thresholds(topology, planner.link)
+    if len(values) > 2:
+        planner.flat_link = costs.LinkCosts(*values[2:])
+        planner.flat_from = costs.flat_from(topology, planner.link, planner.flat_link)
