@@ -464,7 +464,7 @@ class HetCCLGroup(BaseGroup):
         """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
         CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
         x = Operand(self.args.one(tensor, "recv from any source"), moving=True)
-        rdma = sorted(self.border.routes)
+        rdma = self.border.routed_peers
         if not devices.of(x.flat).host or rdma:
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
             raise HetCCLInputError(f"group '{self.group_name}': recv from any source takes CPU tensors over the "

@@ -28,7 +28,7 @@ from hetccl_ray.collective.schedule import BorderStep, IslandStep, Plan, Span
 from hetccl_ray.devices import HOST, Device, StreamLike
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology
-from hetccl_ray.transport.base import Border, Handle, Tag
+from hetccl_ray.transport.base import Border, ControlBorder, Handle, Tag
 
 
 class ScratchPool(buffers.ScratchPool):
@@ -56,7 +56,7 @@ class PlanContext:
     scratch: ScratchPool = field(default_factory=ScratchPool)
     pipeline: Optional[Executor] = None  # one thread: border stages overlap island stages
     piece_bytes: int = 4 << 20
-    direct: Optional[Border] = None  # the TCP border to every rank: small-message rounds (tree.py)
+    direct: Optional[ControlBorder] = None  # the TCP border to every rank: small-message rounds (tree.py)
     device: Device = HOST  # whose memory the op's buffers are, and how work on it is ordered
     stream: Optional[StreamLike] = None  # the op's side stream on that device
     rows: Optional[dict[int, list[int]]] = None  # every rank's call row, once a round agreed them

@@ -111,3 +111,18 @@ class Border(Protocol):
 
     def close(self) -> None:
         """Close every connection and stop every thread."""
+
+
+class ControlBorder(Border, Protocol):
+    """A border that also carries the small round's control (the TCP border, which reaches
+    every rank): call rows beside the payload, receives of any size, receives from any source."""
+
+    def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0, extra: bytes = b"") -> Handle:
+        """As ``Border.isend``, with ``extra`` control bytes after the header."""
+
+    def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None,
+              timeout_s: float = 60.0, flexible: bool = False) -> Handle:
+        """As ``Border.irecv``; ``flexible``: a payload of another size lands in ``handle.spill``."""
+
+    def first_arrival(self, expected: dict[int, "Tag"], timeout_s: float) -> int:
+        """The first peer whose next message carries the tag ``expected[peer]``."""

@@ -22,6 +22,11 @@ class RoutedBorder:
         rdma = sorted(self.routes)
         return f"RoutedBorder(rank={self.rank}, tcp={self.default!r}, rdma_peers={rdma})"
 
+    @property
+    def routed_peers(self) -> list[int]:
+        """The peers reached through a border of their own (RDMA), not ``default``."""
+        return sorted(self.routes)
+
     def _borders(self) -> list[Any]:
         return list({id(b): b for b in [self.default, *self.routes.values()]}.values())
 
