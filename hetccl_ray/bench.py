@@ -29,6 +29,7 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
+from hetccl_ray.collective import costs
 from hetccl_ray.benchdata import DATA, rank_data
 from hetccl_ray.compress.policy import MODES as COMPRESS_MODES
 from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, place_workers
@@ -347,7 +348,7 @@ def plan_taken(group: str, op: str, nbytes: int) -> str:
     """In one actor: the plan a call of ``op`` on ``nbytes`` takes in this group (the group's
     agreed choice, the same on every rank): round, plan, flat, or the op's own way."""
     formed = hetccl_ray.get_group(group)
-    return formed.plan_of(op, nbytes) if op in formed.small_bytes else {"alltoall": "routes"}.get(op, "p2p")
+    return formed.plan_of(op, nbytes) if op in costs.FLAT_OPS else "p2p"
 
 
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,

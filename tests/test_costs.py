@@ -3,6 +3,7 @@ formula says, and measuring from timed rounds inverts the model."""
 
 from __future__ import annotations
 
+import math
 import pytest
 
 from hetccl_ray.collective import costs
@@ -38,8 +39,8 @@ def test_the_threshold_is_where_both_plans_cost_the_same():
 def test_measure_inverts_the_model():
     hop, rate, sizes = 120e-6, 1.5e9, (64 << 10, 1 << 20)
     busiest = costs.tree_busiest("broadcast", TWO_BY_TWO)
-    rounds = [3 * hop * f for f in (0.9, 1.0, 1.3)]
-    broadcasts = {size: [3 * hop + busiest * size / rate + noise for noise in (0.0, -1e-5, 5e-5)]
+    rounds = [3 * hop * f for f in (1.1, 1.0, 1.3)]  # other work only slows a round
+    broadcasts = {size: [3 * hop + busiest * size / rate + noise for noise in (1e-5, 0.0, 5e-5)]
                   for size in sizes}
     measured = costs.measure(rounds, broadcasts, TWO_BY_TWO)
     assert measured.hop_s == pytest.approx(hop) and measured.bytes_per_s == pytest.approx(rate)
@@ -89,3 +90,30 @@ def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_ho
     assert p.plan_of("allreduce", 5000, every_rank_on_host=False) == planner.PLAN  # a GPU somewhere
     assert p.plan_of("allreduce", 5000, checked=False) == planner.PLAN  # no rows: devices unknown
     assert any("flat Gloo over every rank" in line and "allreduce >= 5,000 B" in line for line in p.describe())
+
+
+def test_calibration_times_each_op_by_both_plans_and_keeps_the_flat_one_only_where_faster():
+    import time
+
+    from hetccl_ray.collective import planner
+
+    p = planner.Planner(TWO_BY_TWO)
+    seconds = {planner.FLAT: 1e-3, planner.PLAN: 3e-3}  # the flat plan wins, except all-to-all
+    taken = []
+
+    def call(op):
+        def run():
+            plan = p.plan_of(op, max(planner.PROBE_BYTES))
+            taken.append(plan)
+            time.sleep(seconds[plan] * (5 if op == "alltoall" and plan == planner.FLAT else 1))
+        return run
+
+    def broadcast(t):
+        time.sleep(1e-4 + t.numel() * 8 / 1e9 * 3)
+
+    planner.calibrate(p, None, "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e9 * 3), lambda: time.sleep(3e-4),
+                      broadcast, lambda t: None, lambda t: t.mul_(4), lambda nbytes: {op: call(op) for op in costs.FLAT_OPS})
+    assert taken.count(planner.FLAT) == taken.count(planner.PLAN) == len(costs.FLAT_OPS) * (planner.OP_PROBE_ROUNDS + 1)
+    assert p.flat_from["alltoall"] == math.inf
+    assert all(p.flat_from[op] <= max(planner.PROBE_BYTES) for op in costs.OPS)
+    assert p.plan_of("allreduce", 64 << 20) == planner.FLAT and p.plan_of("alltoall", 64 << 20) == planner.PLAN

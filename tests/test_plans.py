@@ -233,3 +233,16 @@ def test_alltoall_routes_cross_once(layout):
             assert sum(m.stage == routes.ACROSS for m in hops) == (topo.island_of(r) != topo.island_of(t))
             assert all(a.dst == b.src for a, b in zip(hops, hops[1:]))
             assert [m.stage for m in hops] == sorted(m.stage for m in hops)
+
+
+def test_joined_finds_one_buffer_only_for_consecutive_pieces_in_order():
+    from hetccl_ray.buffers import joined, overlap
+
+    whole = torch.arange(10.0)
+    parts = list(whole.split([3, 0, 7]))
+    np.testing.assert_array_equal(joined(parts).numpy(), np.arange(10.0))
+    np.testing.assert_array_equal(joined([whole[2:5], whole[5:9]]).numpy(), np.arange(2.0, 9.0))
+    assert joined([parts[2], parts[0]]) is None  # out of order
+    assert joined([torch.ones(2), torch.ones(2)]) is None  # two buffers
+    assert joined([whole.view(2, 5)[:, :2].reshape(-1)[:0], whole[:0]]).numel() == 0
+    assert overlap(whole[:5], whole[4:]) and not overlap(whole[:5], whole[5:])

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from hetccl_ray.topology import Topology
 
-OPS = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")
+OPS = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")  # the small round's ops
+FLAT_OPS = (*OPS, "alltoall")  # the flat library runs these too
 TREE_HOPS = 3
 MAX_SMALL_BYTES = 4 << 20  # a leader holds whole buffers: above this the island plans run regardless
 _RATE_RANGE = (10e6, 10e9)  # bytes/s a noisy probe may report; outside it the slope was noise
@@ -60,41 +62,53 @@ def _shape(op: str, topo: Topology) -> tuple[int, float, float]:
         return 6, (m - 1) + 1, 1.0
     if op == "reducescatter":
         return 6, float(m), 1.0
+    if op == "alltoall":  # counts round, then gather by lane, across, scatter; no small round
+        return 6, math.inf, 2 * inside + (k - 1) / (k * lanes)
     raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
 
 
 def tree_busiest(op: str, topo: Topology) -> float:
     """Buffers of S bytes the small round's busiest rank moves in turn (for measuring bandwidth)."""
+    if op not in OPS:
+        raise ValueError(f"no cost model for {op!r} by the small round; ops: {', '.join(OPS)}")
     return _shape(op, topo)[1]
 
 
-def thresholds(topo: Topology, costs: LinkCosts) -> dict[str, int]:
-    """For each op, the largest buffer (nccl-tests' size) that goes by the small round."""
+def thresholds(topo: Topology, costs: LinkCosts, flat: Optional[LinkCosts] = None) -> dict[str, int]:
+    """For each op, the largest buffer (nccl-tests' size) that goes by the small round: where
+    its line crosses the hierarchical plan's, or the flat op's (``flat``) where that is sooner."""
     out = {}
     for op in OPS:
         hops, tree_c, plan_c = _shape(op, topo)
         plan_c *= PLAN_SOFTWARE
         saved_s = (hops - TREE_HOPS) * costs.hop_s
         extra_s_per_byte = max(tree_c - plan_c, 0.25) / costs.bytes_per_s
-        out[op] = int(min(saved_s / extra_s_per_byte, MAX_SMALL_BYTES))
+        limit = saved_s / extra_s_per_byte
+        if flat is not None:
+            flat_hops, flat_c = _flat_shape(op, topo.world_size)
+            flat_extra_s_per_byte = max(tree_c / costs.bytes_per_s - flat_c / flat.bytes_per_s, 1e-15)
+            limit = min(limit, flat_hops * flat.hop_s / flat_extra_s_per_byte)
+        out[op] = int(min(limit, MAX_SMALL_BYTES))
     return out
 
 
 def _line(broadcasts_s: dict[int, list[float]], busiest: float) -> tuple[float, float]:
-    """(seconds at size 0, bytes per second) of the line through the medians of timed
-    broadcasts of two sizes, whose busiest rank moves ``busiest`` buffers."""
-    med = {size: sorted(times)[len(times) // 2] for size, times in broadcasts_s.items()}
-    small, large = min(med), max(med)
-    slope = max(med[large] - med[small], 1e-9) / (large - small)
+    """(seconds at size 0, bytes per second) of the line through the fastest of timed
+    broadcasts of two sizes (on a shared machine the rest is other work's noise), whose
+    busiest rank moves ``busiest`` buffers."""
+    fastest = {size: min(times) for size, times in broadcasts_s.items()}
+    small, large = min(fastest), max(fastest)
+    slope = max(fastest[large] - fastest[small], 1e-9) / (large - small)
     rate = min(max(busiest / slope, _RATE_RANGE[0]), _RATE_RANGE[1])
-    return max(med[small] - busiest * small / rate, 0.0), rate
+    return max(fastest[small] - busiest * small / rate, 0.0), rate
 
 
 def measure(hop_rounds_s: list[float], broadcasts_s: dict[int, list[float]], topo: Topology) -> LinkCosts:
     """Costs from timed rounds: rows-only rounds (3 hops each) give the hop; small-round
-    broadcasts of two sizes give the bandwidth from the slope between them (medians)."""
+    broadcasts of two sizes give the bandwidth from the slope between them (the fastest
+    of each)."""
     _, rate = _line(broadcasts_s, tree_busiest("broadcast", topo))
-    return LinkCosts(sorted(hop_rounds_s)[len(hop_rounds_s) // 2] / TREE_HOPS, rate)
+    return LinkCosts(min(hop_rounds_s) / TREE_HOPS, rate)
 
 
 def _flat_shape(op: str, n: int) -> tuple[int, float]:
@@ -105,7 +119,7 @@ def _flat_shape(op: str, n: int) -> tuple[int, float]:
         return 2 * (n - 1), 2 * (n - 1) / n
     if op in ("broadcast", "reduce"):
         return 1, float(n - 1)
-    if op in ("allgather", "reducescatter"):
+    if op in ("allgather", "reducescatter", "alltoall"):
         return 1, (n - 1) / n
     raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
 
@@ -120,7 +134,7 @@ def flat_from(topo: Topology, link: LinkCosts, flat: LinkCosts) -> dict[str, flo
     """For each op, the smallest buffer from which the flat op (after its 3-hop check) costs
     less than the hierarchical plan; infinity where it is slower per byte."""
     out = {}
-    for op in OPS:
+    for op in FLAT_OPS:
         hops, _, plan_c = _shape(op, topo)
         flat_hops, flat_c = _flat_shape(op, topo.world_size)
         extra_s = TREE_HOPS * link.hop_s + flat_hops * flat.hop_s - hops * link.hop_s

@@ -97,7 +97,7 @@ class HetCCLGroup(BaseGroup):
         planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
-                          lambda t: devices.synchronize(t, self.options.timeout_s))
+                          lambda t: devices.synchronize(t, self.options.timeout_s), self.allreduce, self._probe_calls)
         # the probes are not the user's ops: numbering and counters start after them (every
         # message of theirs was received in order before a rank's next op can arrive)
         self._seq = self._progress.seq = 0
@@ -105,6 +105,16 @@ class HetCCLGroup(BaseGroup):
         self._probe_messages = self.border.messages_sent
         self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received, self.border.wire_bytes_sent,
                              self.border.wire_bytes_received)
+
+    def _probe_calls(self, nbytes: int) -> dict[str, Callable[[], None]]:
+        """One call of each op the flat plan may take, on ``nbytes`` (nccl-tests' size) of host
+        zeros: what the planner times to choose between the flat and the hierarchical plan."""
+        whole = torch.zeros(nbytes // 4 // self.world_size * self.world_size)
+        parts = list(whole.chunk(self.world_size))
+        part, into = torch.zeros_like(parts[0]), [torch.zeros_like(t) for t in parts]
+        return {"allreduce": lambda: self.allreduce(whole), "reduce": lambda: self.reduce(whole),
+                "broadcast": lambda: self.broadcast(whole), "allgather": lambda: self.allgather([parts], [part]),
+                "reducescatter": lambda: self.reducescatter([part], [parts]), "alltoall": lambda: self.alltoall(parts, into)}
 
     def _flat_library(self) -> IslandComm:
         """Gloo over every rank, ranked in island-major order (the layout of per-rank chunks),
@@ -429,8 +439,13 @@ class HetCCLGroup(BaseGroup):
         if self.world_size == 1 and mine[0] != mine[1]:
             raise HetCCLInputError(f"group '{self.group_name}': alltoall sends {mine[0]} elements to rank 0 "
                                    f"but expects {mine[1]} from it")
-        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0],
-                  lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs), check=check, after=after)
+        def body(ctx: PlanContext) -> None:
+            largest = max(sum(row) for row in agreed["counts"]) * inputs[0].element_size()
+            if self.planner.plan_of("alltoall", largest, ctx.every_rank_on_host()) == planner.FLAT:
+                ctx.flat = self._flat
+            plans.alltoall(ctx, agreed["counts"], inputs, outputs)
+
+        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0], body, check=check, after=after)
 
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the

@@ -19,7 +19,8 @@ import torch
 from hetccl_ray.collective import costs
 from hetccl_ray.topology import Topology
 
-PROBE_ROUNDS, PROBE_BYTES = 5, (64 << 10, 1 << 20)  # formation's timed rounds for the cost model
+PROBE_ROUNDS, PROBE_BYTES = 7, (256 << 10, 4 << 20)
+OP_PROBE_ROUNDS = 3  # timed calls per op and plan at the largest probe size  # formation's timed rounds for the cost model
 ROUND, PLAN, FLAT = "round", "plan", "flat"
 
 
@@ -30,7 +31,7 @@ class Planner:
     topology: Topology
     small_bytes: dict[str, int] = field(default_factory=dict)
     flat: bool = False  # a flat library exists (the ``flat`` option, several islands)
-    flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.OPS, math.inf))
+    flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.FLAT_OPS, math.inf))
     link: Optional[costs.LinkCosts] = None
     flat_link: Optional[costs.LinkCosts] = None
 
@@ -65,38 +66,76 @@ def timed(op: Callable[[], None], rounds: int) -> list[float]:
     return times
 
 
-def _probes(broadcast: Callable[[torch.Tensor], None], rounds: int) -> dict[int, list[float]]:
-    """Timed broadcasts of each probe size."""
-    return {size: timed(lambda probe=torch.zeros(size // 8, dtype=torch.float64): broadcast(probe), rounds)
-            for size in PROBE_BYTES}
+def _probes(broadcasts: list[Callable[[torch.Tensor], None]], rounds: int) -> list[dict[int, list[float]]]:
+    """Timed broadcasts of each probe size by each of ``broadcasts``, taken in turn round by
+    round, so that what else loads the machine meanwhile weighs on each alike."""
+    probes = {size: torch.zeros(size // 8, dtype=torch.float64) for size in PROBE_BYTES}
+    times: list[dict[int, list[float]]] = [{size: [] for size in PROBE_BYTES} for _ in broadcasts]
+    for _ in range(rounds):
+        for size, probe in probes.items():
+            for fn, out in zip(broadcasts, times):
+                out[size] += timed(lambda: fn(probe), 1)
+    return times
 
 
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
               barrier: Callable[[], None], broadcast: Callable[[torch.Tensor], None],
-              synchronize: Callable[[torch.Tensor], None]) -> None:
+              synchronize: Callable[[torch.Tensor], None], allreduce: Callable[[torch.Tensor], None],
+              probe_calls: Callable[[int], dict[str, Callable[[], None]]]) -> None:
     """Set the group's planner: thresholds from the ``small_bytes`` option, else from costs
-    measured now (timed rows-only rounds and small-round broadcasts through the group's own
-    ``barrier`` and ``broadcast``, which take the small round meanwhile; the flat library's
-    by ``flat_broadcast``), measured on rank 0 and broadcast so that every rank plans alike."""
+    measured now and broadcast from rank 0, so that every rank plans alike: timed rows-only
+    rounds and small-round broadcasts through the group's own ``barrier`` and ``broadcast``
+    (the link), the flat library's broadcasts (``flat_broadcast``), and each op of
+    ``probe_calls`` by the hierarchical and by the flat plan at the largest probe size
+    (what every rank saw, summed by ``allreduce``: one rank's view of a close race is noise)."""
     topology = planner.topology
     planner.flat = flat_broadcast is not None
-    planner.flat_from = dict.fromkeys(costs.OPS, 0.0 if flat_mode == "on" else math.inf)
+    planner.flat_from = dict.fromkeys(costs.FLAT_OPS, 0.0 if flat_mode == "on" else math.inf)
     if small_bytes is not None or topology.world_size == 1:
         planner.small_bytes = dict.fromkeys(costs.OPS, small_bytes or 0)
         return
     planner.small_bytes = dict.fromkeys(costs.OPS, costs.MAX_SMALL_BYTES)  # the probes go by the small round
     hops = timed(barrier, PROBE_ROUNDS + 1)[1:]
-    measured = costs.measure(hops, _probes(broadcast, PROBE_ROUNDS), topology)
+    measure_flat = planner.flat and flat_mode == "auto"
+    probes = _probes([broadcast, flat_broadcast] if measure_flat else [broadcast], PROBE_ROUNDS)
+    measured = costs.measure(hops, probes[0], topology)
     numbers = [measured.hop_s, measured.bytes_per_s]
-    if planner.flat and flat_mode == "auto":
-        flat_link = costs.measure_flat(_probes(flat_broadcast, PROBE_ROUNDS), topology.world_size)
+    if measure_flat:
+        flat_link = costs.measure_flat(probes[1], topology.world_size)
         numbers += [flat_link.hop_s, flat_link.bytes_per_s]
+        gains = torch.tensor(_flat_gains(planner, probe_calls(max(PROBE_BYTES))), dtype=torch.float64)
+        allreduce(gains)
+        synchronize(gains)
     agreed = torch.tensor(numbers, dtype=torch.float64)
     broadcast(agreed)
     synchronize(agreed)  # an emulated device lands it later
     values = agreed.tolist()
     planner.link = costs.LinkCosts(*values[:2])
-    planner.small_bytes = costs.thresholds(topology, planner.link)
     if len(values) > 2:
-        planner.flat_link = costs.LinkCosts(*values[2:])
-        planner.flat_from = costs.flat_from(topology, planner.link, planner.flat_link)
+        planner.flat_link = costs.LinkCosts(*values[2:4])
+        modelled = costs.flat_from(topology, planner.link, planner.flat_link)
+        # the model says from where; a timed call at the probe size says whether at all
+        planner.flat_from = {op: min(modelled[op], max(PROBE_BYTES)) if gain > 0 else math.inf
+                             for op, gain in zip(costs.FLAT_OPS, gains.tolist())}
+    planner.small_bytes = costs.thresholds(topology, planner.link, planner.flat_link)
+
+
+def _flat_gains(planner: Planner, calls: dict[str, Callable[[], None]]) -> list[float]:
+    """For each op (costs.FLAT_OPS order), the seconds the flat plan's fastest of
+    ``OP_PROBE_ROUNDS`` timed calls (after one untimed) saved against the hierarchical
+    plan's, the two taken in turn."""
+    small, planner.small_bytes = planner.small_bytes, {}
+    flat_from = planner.flat_from
+    try:
+        out = []
+        for op in costs.FLAT_OPS:
+            best = {math.inf: math.inf, 0.0: math.inf}
+            for warm in [True] + [False] * OP_PROBE_ROUNDS:  # a first call allocates: not timed
+                for plan_from in best:
+                    planner.flat_from = dict.fromkeys(costs.FLAT_OPS, plan_from)
+                    seconds = timed(calls[op], 1)[0]
+                    best[plan_from] = best[plan_from] if warm else min(best[plan_from], seconds)
+            out.append(best[math.inf] - best[0.0])
+        return out
+    finally:
+        planner.small_bytes, planner.flat_from = small, flat_from

@@ -27,9 +27,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from hetccl_ray.collective import routes, schedule
-from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.buffers import copy
-from hetccl_ray.buffers import view
+from hetccl_ray.buffers import copy, joined, overlap, view
+from hetccl_ray.collective.island import IslandComm, ranges
 from hetccl_ray.collective.runner import PlanContext, execute, pipelined
 from hetccl_ray.transport.base import Border
 
@@ -93,6 +92,8 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     for CPU tensors, one vendor all-to-all per stage for device tensors. A CPU all-to-all
     in which no rank sends more than ``FLAT_BYTES`` goes flat: every block straight, one hop
     (decided from the agreed rows, so every rank routes alike in a group of mixed devices)."""
+    if ctx.flat is not None:
+        return _flat_alltoall(ctx, counts, inputs, outputs)
     me, topo = ctx.rank, ctx.topo
     ctx.launch(copy, outputs[me], inputs[me])
     direct = ctx.direct is not None and ctx.device.host  # island moves: sockets, or the vendor's all-to-all
@@ -126,6 +127,26 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
                lambda q: _exchange_blocks(ctx, routes.ACROSS, pieces(way.sends[routes.ACROSS], q, True),
                                           pieces(way.recvs[routes.ACROSS], q, False)),
                lambda q: inside(routes.SCATTER, q))
+
+
+def _flat_alltoall(ctx: PlanContext, counts: list[list[int]], inputs: Sequence[torch.Tensor],
+                   outputs: Sequence[torch.Tensor]) -> None:
+    """The flat library's all-to-all (host tensors): blocks in its rank order (island-major),
+    on the caller's buffers where they already are one buffer in that order, else copied."""
+    order, me, like = ctx.topo.island_major_order(), ctx.rank, inputs[ctx.rank]
+    sends, recvs = [counts[me][r] for r in order], [counts[r][me] for r in order]
+    send, recv = joined([inputs[r] for r in order]), joined([outputs[r] for r in order])
+    if send is None:
+        send = ctx.scratch.get("flat-send", sum(sends), like)
+        for r, span in zip(order, ranges(sends)):
+            copy(view(send, span), inputs[r])
+    staged = recv is None or overlap(recv, send)
+    if staged:
+        recv = ctx.scratch.get("flat-recv", sum(recvs), like)
+    ctx.flat.alltoall(recv, send, recvs, sends)
+    if staged:
+        for r, span in zip(order, ranges(recvs)):
+            copy(outputs[r], view(recv, span))
 
 
 FLAT_BYTES = 256 << 10  # 2x2 loopback, 1 KiB: the plan part 0.64-0.87 ms flat, 0.86-1.1 ms by lanes
