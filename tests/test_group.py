@@ -505,3 +505,28 @@ def test_auto_measures_then_stays_raw_on_loopback(actors):
         assert link["mode"] == "auto" and link["encode_MBps"] and not link["compressing"], link
         assert link["link_MBps"] is None or link["link_MBps"] > link["encode_MBps"], link  # None: no 1 MiB sample
         assert link["messages_raw"] > link["messages_compressed"], link
+
+
+def _after_ray_set_the_class_defaults(name, rank, world):
+    """Ray's own ``col.allreduce(op=MAX)`` / ``col.broadcast(src_rank=r)`` set those on the
+    options classes; half the ranks here have done so. Forming a group (which calibrates by
+    its own ops) and calling it without options must still agree across ranks."""
+    if rank % 2:
+        col.types.AllReduceOptions.reduceOp = col.types.ReduceOp.MAX
+        col.types.BroadcastOptions.root_rank = world - 1
+    try:
+        col.init_collective_group(world, rank, backend="hetccl", group_name=name)
+        x = np.full(3, rank + 1.0)
+        hetccl_ray.get_group(name).allreduce(x)
+        col.destroy_collective_group(name)
+        return x
+    finally:
+        col.types.AllReduceOptions.reduceOp = col.types.ReduceOp.SUM
+        col.types.BroadcastOptions.root_rank = 0
+
+
+def test_ray_mutating_its_option_classes_does_not_split_the_group(actors):
+    hetccl_ray.set_group_options("drift", timeout_s=30)
+    results = on_all(actors, "two", lambda name, rank, world: _after_ray_set_the_class_defaults("drift", rank, world))
+    for x in results:
+        np.testing.assert_array_equal(x, np.full(3, 10.0))

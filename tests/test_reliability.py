@@ -306,7 +306,7 @@ def _big_allreduce(name, rank, n):
 @pytest.mark.slow
 def test_tensor_over_2_gib_crosses_the_border(actors):
     group = [actors["a"][2], actors["b"][2]]
-    hetccl_ray.create_collective_group(group, 2, [0, 1], group_name="big", timeout_s=300)
+    hetccl_ray.create_collective_group(group, 2, [0, 1], group_name="big", timeout_s=300, flat="off")  # the border path
     n = (2 << 30) + 4099
     sent = ray.get([a.call.remote(_big_allreduce, "big", r, n) for r, a in enumerate(group)], timeout=600)
     assert sent == [n, n]                                           # each sends its whole partial once

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, BarrierOptions, BroadcastOptions,
-                                       ReduceOptions, ReduceScatterOptions)
+                                       ReduceOp, ReduceOptions, ReduceScatterOptions)
 
 from hetccl_ray import devices
 from hetccl_ray.collective import plans, planner, tree
@@ -45,6 +45,15 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "HETCCL"
 
+
+def _pinned(cls: type, **fields: Any) -> Any:
+    """An options object whose fields are its own: Ray's module-level calls set options on the
+    class (``opts = types.AllReduceOptions; opts.reduceOp = op``), so ``cls()`` alone drifts
+    with whatever op or root the process called last (the group's own calls would disagree)."""
+    options = cls()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
 
 class HetCCLGroup(BaseGroup):
     """A Ray collective group over vendor islands: ``backend="hetccl"``."""
@@ -114,7 +123,8 @@ class HetCCLGroup(BaseGroup):
         part, into = torch.zeros_like(parts[0]), [torch.zeros_like(t) for t in parts]
         return {"allreduce": lambda: self.allreduce(whole), "reduce": lambda: self.reduce(whole),
                 "broadcast": lambda: self.broadcast(whole), "allgather": lambda: self.allgather([parts], [part]),
-                "reducescatter": lambda: self.reducescatter([part], [parts]), "alltoall": lambda: self.alltoall(parts, into)}
+                "reducescatter": lambda: self.reducescatter([part], [parts]),
+                "alltoall": lambda: self.alltoall(parts, into)}
 
     def _flat_library(self) -> IslandComm:
         """Gloo over every rank, ranked in island-major order (the layout of per-rank chunks),
@@ -349,7 +359,7 @@ class HetCCLGroup(BaseGroup):
 
     # -- BaseGroup ops ---------------------------------------------------------------------------
 
-    def allreduce(self, tensor: Any, allreduce_options: Any = AllReduceOptions()) -> None:
+    def allreduce(self, tensor: Any, allreduce_options: Any = _pinned(AllReduceOptions, reduceOp=ReduceOp.SUM)) -> None:
         x = Operand(self.args.one(tensor, "allreduce"))
         op = self.args.reduce_op(allreduce_options)
         self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat,
@@ -359,7 +369,8 @@ class HetCCLGroup(BaseGroup):
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
         self._run(Call("barrier", torch.uint8, 0), None, None)
 
-    def reduce(self, tensor: Any, reduce_options: Any = ReduceOptions()) -> None:
+    def reduce(self, tensor: Any,
+               reduce_options: Any = _pinned(ReduceOptions, reduceOp=ReduceOp.SUM, root_rank=0)) -> None:
         x = Operand(self.args.one(tensor, "reduce"))
         root = self.args.rank(reduce_options.root_rank, "reduce root")
         op = self.args.reduce_op(reduce_options)
@@ -369,7 +380,7 @@ class HetCCLGroup(BaseGroup):
                   staged=[work], before=None if work is x.flat else lambda: copy(work, x.flat),
                   after=x.write_back if self.rank == root else None)
 
-    def broadcast(self, tensor: Any, broadcast_options: Any = BroadcastOptions()) -> None:
+    def broadcast(self, tensor: Any, broadcast_options: Any = _pinned(BroadcastOptions, root_rank=0)) -> None:
         x = Operand(self.args.one(tensor, "broadcast"), moving=True)
         root = self.args.rank(broadcast_options.root_rank, "broadcast root")
         self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat,
@@ -394,7 +405,7 @@ class HetCCLGroup(BaseGroup):
                   before=lambda: copy(buf[mine * n:(mine + 1) * n], x.flat), after=spread)
 
     def reducescatter(self, tensor: Any, tensor_list: Any,
-                      reducescatter_options: Any = ReduceScatterOptions()) -> None:
+                      reducescatter_options: Any = _pinned(ReduceScatterOptions, reduceOp=ReduceOp.SUM)) -> None:
         out = Operand(self.args.one(tensor, "reducescatter output"))
         inputs = self.args.per_rank_list(tensor_list, "reducescatter input tensor_list")
         same_kind(out, inputs, "reducescatter input tensor_list")
