@@ -117,3 +117,11 @@ def test_calibration_times_each_op_by_both_plans_and_keeps_the_flat_one_only_whe
     assert p.flat_from["alltoall"] == math.inf
     assert all(p.flat_from[op] <= max(planner.PROBE_BYTES) for op in costs.OPS)
     assert p.plan_of("allreduce", 64 << 20) == planner.FLAT and p.plan_of("alltoall", 64 << 20) == planner.PLAN
+
+
+def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
+    link, fast_flat = costs.LinkCosts(300e-6, 1e9), costs.LinkCosts(0.0, 2e9)  # a 0 us flat hop: noise's intercept
+    alone = costs.thresholds(TWO_BY_TWO, link)
+    assert costs.thresholds(TWO_BY_TWO, link, fast_flat) == alone  # the flat plan is taken for no op
+    bounded = costs.thresholds(TWO_BY_TWO, link, fast_flat, ["allreduce"])
+    assert bounded["allreduce"] < alone["allreduce"] and bounded["reduce"] == alone["reduce"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from hetccl_ray.topology import Topology
 
@@ -74,9 +74,11 @@ def tree_busiest(op: str, topo: Topology) -> float:
     return _shape(op, topo)[1]
 
 
-def thresholds(topo: Topology, costs: LinkCosts, flat: Optional[LinkCosts] = None) -> dict[str, int]:
+def thresholds(topo: Topology, costs: LinkCosts, flat: Optional[LinkCosts] = None,
+               flat_ops: Sequence[str] = ()) -> dict[str, int]:
     """For each op, the largest buffer (nccl-tests' size) that goes by the small round: where
-    its line crosses the hierarchical plan's, or the flat op's (``flat``) where that is sooner."""
+    its line crosses the hierarchical plan's, or for ``flat_ops`` (those the flat plan may
+    take) the flat op's (``flat``) where that is sooner."""
     out = {}
     for op in OPS:
         hops, tree_c, plan_c = _shape(op, topo)
@@ -84,7 +86,7 @@ def thresholds(topo: Topology, costs: LinkCosts, flat: Optional[LinkCosts] = Non
         saved_s = (hops - TREE_HOPS) * costs.hop_s
         extra_s_per_byte = max(tree_c - plan_c, 0.25) / costs.bytes_per_s
         limit = saved_s / extra_s_per_byte
-        if flat is not None:
+        if flat is not None and op in flat_ops:
             flat_hops, flat_c = _flat_shape(op, topo.world_size)
             flat_extra_s_per_byte = max(tree_c / costs.bytes_per_s - flat_c / flat.bytes_per_s, 1e-15)
             limit = min(limit, flat_hops * flat.hop_s / flat_extra_s_per_byte)

@@ -117,7 +117,8 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
         # the model says from where; a timed call at the probe size says whether at all
         planner.flat_from = {op: min(modelled[op], max(PROBE_BYTES)) if gain > 0 else math.inf
                              for op, gain in zip(costs.FLAT_OPS, gains.tolist())}
-    planner.small_bytes = costs.thresholds(topology, planner.link, planner.flat_link)
+    taken = [op for op, size in planner.flat_from.items() if size < math.inf]
+    planner.small_bytes = costs.thresholds(topology, planner.link, planner.flat_link, taken)
 
 
 def _flat_gains(planner: Planner, calls: dict[str, Callable[[], None]]) -> list[float]:
