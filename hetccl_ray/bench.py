@@ -491,7 +491,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true",
                    help="print each op's plan for the layout and sizes (steps, border bytes) without a cluster")
     p.add_argument("--demo", action="store_true",
-                   help="the README demo: every op on 2x2 with --vs gloo, small sizes, under a minute")
+                   help="the README demo: every op on 2x2 with --vs gloo, small sizes, unshaped then shaped")
     return p
 
 
