@@ -125,3 +125,13 @@ def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
     assert costs.thresholds(TWO_BY_TWO, link, fast_flat) == alone  # the flat plan is taken for no op
     bounded = costs.thresholds(TWO_BY_TWO, link, fast_flat, ["allreduce"])
     assert bounded["allreduce"] < alone["allreduce"] and bounded["reduce"] == alone["reduce"]
+
+
+def test_a_slow_flat_library_is_timed_at_a_smaller_size():
+    from hetccl_ray.collective import planner
+
+    fast, slow = planner._op_probe_bytes(2e-3), planner._op_probe_bytes(0.5)  # 4 MiB flat broadcast: 2 ms, 500 ms
+    assert fast == max(planner.PROBE_BYTES)
+    calls = len(costs.FLAT_OPS) * (planner.OP_PROBE_ROUNDS + 1) * 2
+    assert slow == pytest.approx(max(planner.PROBE_BYTES) * planner.OP_PROBE_BUDGET_S / (calls * 0.5), rel=1e-6)
+    assert planner._op_probe_bytes(60.0) == min(planner.PROBE_BYTES)  # never below the small probe

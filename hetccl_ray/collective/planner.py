@@ -19,8 +19,9 @@ import torch
 from hetccl_ray.collective import costs
 from hetccl_ray.topology import Topology
 
-PROBE_ROUNDS, PROBE_BYTES = 7, (256 << 10, 4 << 20)
-OP_PROBE_ROUNDS = 3  # timed calls per op and plan at the largest probe size  # formation's timed rounds for the cost model
+PROBE_ROUNDS, PROBE_BYTES = 7, (256 << 10, 4 << 20)  # formation's timed rounds for the cost model
+OP_PROBE_ROUNDS = 3  # timed calls per op and plan at the largest probe size
+OP_PROBE_BUDGET_S = 2.0  # about what those calls may take on a slow border
 ROUND, PLAN, FLAT = "round", "plan", "flat"
 
 
@@ -102,23 +103,32 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     numbers = [measured.hop_s, measured.bytes_per_s]
     if measure_flat:
         flat_link = costs.measure_flat(probes[1], topology.world_size)
-        numbers += [flat_link.hop_s, flat_link.bytes_per_s]
-        gains = torch.tensor(_flat_gains(planner, probe_calls(max(PROBE_BYTES))), dtype=torch.float64)
-        allreduce(gains)
-        synchronize(gains)
+        numbers += [flat_link.hop_s, flat_link.bytes_per_s, _op_probe_bytes(min(probes[1][max(PROBE_BYTES)]))]
     agreed = torch.tensor(numbers, dtype=torch.float64)
     broadcast(agreed)
     synchronize(agreed)  # an emulated device lands it later
     values = agreed.tolist()
     planner.link = costs.LinkCosts(*values[:2])
     if len(values) > 2:
-        planner.flat_link = costs.LinkCosts(*values[2:4])
+        planner.flat_link, probe_bytes = costs.LinkCosts(*values[2:4]), int(values[4])
+        gains = torch.tensor(_flat_gains(planner, probe_calls(probe_bytes)), dtype=torch.float64)
+        allreduce(gains)
+        synchronize(gains)
         modelled = costs.flat_from(topology, planner.link, planner.flat_link)
         # the model says from where; a timed call at the probe size says whether at all
-        planner.flat_from = {op: min(modelled[op], max(PROBE_BYTES)) if gain > 0 else math.inf
+        planner.flat_from = {op: min(modelled[op], probe_bytes) if gain > 0 else math.inf
                              for op, gain in zip(costs.FLAT_OPS, gains.tolist())}
     taken = [op for op, size in planner.flat_from.items() if size < math.inf]
     planner.small_bytes = costs.thresholds(topology, planner.link, planner.flat_link, taken)
+
+
+def _op_probe_bytes(flat_broadcast_s: float) -> int:
+    """The size at which each op is timed by both plans: the largest probe size, smaller
+    where the flat library is slow (a slow border) so that the timed calls take about
+    ``OP_PROBE_BUDGET_S`` in all, never below the smallest probe size."""
+    calls = len(costs.FLAT_OPS) * (OP_PROBE_ROUNDS + 1) * 2
+    scale = OP_PROBE_BUDGET_S / max(calls * flat_broadcast_s, 1e-9)
+    return int(min(max(max(PROBE_BYTES) * scale, min(PROBE_BYTES)), max(PROBE_BYTES)))
 
 
 def _flat_gains(planner: Planner, calls: dict[str, Callable[[], None]]) -> list[float]:
