@@ -76,6 +76,7 @@ def test_measure_flat_inverts_its_model():
     hop, rate, busiest = 80e-6, 3e9, 3  # a broadcast from the root of 4 ranks sends 3 buffers
     broadcasts = {size: [hop + busiest * size / rate] * 3 for size in (64 << 10, 1 << 20)}
     measured = costs.measure_flat(broadcasts, 4)
+    assert costs.measure_flat(broadcasts, 4, [3e-4, 2e-4]).hop_s == 2e-4  # timed tiny broadcasts, where given
     assert measured.hop_s == pytest.approx(hop) and measured.bytes_per_s == pytest.approx(rate)
 
 

@@ -126,10 +126,12 @@ def _flat_shape(op: str, n: int) -> tuple[int, float]:
     raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
 
 
-def measure_flat(broadcasts_s: dict[int, list[float]], n: int) -> LinkCosts:
-    """The flat library's hop and bandwidth from timed flat broadcasts of two sizes."""
+def measure_flat(broadcasts_s: dict[int, list[float]], n: int, hops_s: Optional[list[float]] = None) -> LinkCosts:
+    """The flat library's hop and bandwidth from timed flat broadcasts of two sizes; the
+    hop from timed broadcasts of a few bytes (``hops_s``) where given: the line's intercept
+    at size 0, extrapolated from 256 KiB, is noise (0 us was measured)."""
     hop, rate = _line(broadcasts_s, _flat_shape("broadcast", n)[1])
-    return LinkCosts(hop, rate)
+    return LinkCosts(min(hops_s) if hops_s else hop, rate)
 
 
 def flat_from(topo: Topology, link: LinkCosts, flat: LinkCosts) -> dict[str, float]:

@@ -102,7 +102,9 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     measured = costs.measure(hops, probes[0], topology)
     numbers = [measured.hop_s, measured.bytes_per_s]
     if measure_flat:
-        flat_link = costs.measure_flat(probes[1], topology.world_size)
+        tiny = torch.zeros(1, dtype=torch.float64)
+        flat_hops = timed(lambda: flat_broadcast(tiny), PROBE_ROUNDS + 1)[1:]
+        flat_link = costs.measure_flat(probes[1], topology.world_size, flat_hops)
         numbers += [flat_link.hop_s, flat_link.bytes_per_s, _op_probe_bytes(min(probes[1][max(PROBE_BYTES)]))]
     agreed = torch.tensor(numbers, dtype=torch.float64)
     broadcast(agreed)
