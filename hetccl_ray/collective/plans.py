@@ -143,10 +143,16 @@ def _flat_alltoall(ctx: PlanContext, counts: list[list[int]], inputs: Sequence[t
     staged = recv is None or overlap(recv, send)
     if staged:
         recv = ctx.scratch.get("flat-recv", sum(recvs), like)
-    ctx.flat.alltoall(recv, send, recvs, sends)
+    size = like.element_size()  # as bytes: Gloo's all-to-all takes fewer dtypes than ours (bool, complex)
+    ctx.flat.alltoall(_bytes(recv), _bytes(send), [n * size for n in recvs], [n * size for n in sends])
     if staged:
         for r, span in zip(order, ranges(recvs)):
             copy(outputs[r], view(recv, span))
+
+
+def _bytes(buf: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous buffer's bytes (an empty one may have any stride)."""
+    return buf.view(torch.uint8) if buf.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 FLAT_BYTES = 256 << 10  # 2x2 loopback, 1 KiB: the plan part 0.64-0.87 ms flat, 0.86-1.1 ms by lanes
