@@ -58,20 +58,6 @@ def test_unknown_op_is_refused():
         costs.tree_busiest("alltoall", TWO_BY_TWO)
 
 
-def test_the_flat_plan_starts_where_it_costs_less_than_the_hierarchical_plan():
-    link = costs.LinkCosts(300e-6, 1e9)
-    fast_flat = costs.flat_from(TWO_BY_TWO, link, costs.LinkCosts(100e-6, 2e9))
-    slow_flat = costs.flat_from(TWO_BY_TWO, link, costs.LinkCosts(100e-6, 0.05e9))  # a library far slower per byte
-    for op in costs.OPS:
-        hops, _, plan_c = costs._shape(op, TWO_BY_TWO)
-        flat_hops, flat_c = costs._flat_shape(op, 4)
-        size = fast_flat[op]
-        plan_s = hops * link.hop_s + plan_c * costs.PLAN_SOFTWARE * size / link.bytes_per_s
-        flat_s = costs.TREE_HOPS * link.hop_s + flat_hops * 100e-6 + flat_c * size / 2e9
-        assert size == 0.0 or flat_s == pytest.approx(plan_s, rel=1e-6), op  # where the two lines cross
-        assert slow_flat[op] > fast_flat[op], op
-
-
 def test_measure_flat_inverts_its_model():
     hop, rate, busiest = 80e-6, 3e9, 3  # a broadcast from the root of 4 ranks sends 3 buffers
     broadcasts = {size: [hop + busiest * size / rate] * 3 for size in (64 << 10, 1 << 20)}

@@ -132,17 +132,3 @@ def measure_flat(broadcasts_s: dict[int, list[float]], n: int, hops_s: Optional[
     at size 0, extrapolated from 256 KiB, is noise (0 us was measured)."""
     hop, rate = _line(broadcasts_s, _flat_shape("broadcast", n)[1])
     return LinkCosts(min(hops_s) if hops_s else hop, rate)
-
-
-def flat_from(topo: Topology, link: LinkCosts, flat: LinkCosts) -> dict[str, float]:
-    """For each op, the smallest buffer from which the flat op (after its 3-hop check) costs
-    less than the hierarchical plan; infinity where it is slower per byte."""
-    out = {}
-    for op in FLAT_OPS:
-        hops, _, plan_c = _shape(op, topo)
-        flat_hops, flat_c = _flat_shape(op, topo.world_size)
-        extra_s = TREE_HOPS * link.hop_s + flat_hops * flat.hop_s - hops * link.hop_s
-        saved_per_byte = plan_c * PLAN_SOFTWARE / link.bytes_per_s - flat_c / flat.bytes_per_s
-        # slower per byte, the flat op could only win below some size: the small round's sizes
-        out[op] = max(extra_s, 0.0) / saved_per_byte if saved_per_byte > 0 else math.inf
-    return out
