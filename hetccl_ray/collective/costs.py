@@ -19,7 +19,6 @@ Pure: imports no Ray.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -62,8 +61,6 @@ def _shape(op: str, topo: Topology) -> tuple[int, float, float]:
         return 6, (m - 1) + 1, 1.0
     if op == "reducescatter":
         return 6, float(m), 1.0
-    if op == "alltoall":  # counts round, then gather by lane, across, scatter; no small round
-        return 6, math.inf, 2 * inside + (k - 1) / (k * lanes)
     raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
 
 
@@ -121,7 +118,7 @@ def _flat_shape(op: str, n: int) -> tuple[int, float]:
         return 2 * (n - 1), 2 * (n - 1) / n
     if op in ("broadcast", "reduce"):
         return 1, float(n - 1)
-    if op in ("allgather", "reducescatter", "alltoall"):
+    if op in ("allgather", "reducescatter"):
         return 1, (n - 1) / n
     raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
 

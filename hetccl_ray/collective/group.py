@@ -55,6 +55,7 @@ def _pinned(cls: type, **fields: Any) -> Any:
         setattr(options, name, value)
     return options
 
+
 class HetCCLGroup(BaseGroup):
     """A Ray collective group over vendor islands: ``backend="hetccl"``."""
 

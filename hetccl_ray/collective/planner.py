@@ -3,8 +3,9 @@
 Candidates per call: the small round (tree.py, 3 hops, call rows inside), the hierarchical
 plan (schedule.py), and the flat plan (one library over every rank: Gloo, for CPU tensors
 on every rank, after the rows check). The choice reads only the call's op and size, the
-agreed rows and the costs rank 0 measured at formation and broadcast (costs.py), never the
-local tensor, so every rank of a group of GPU and CPU islands takes the same plan.
+agreed rows and what formation measured and agreed (rank 0's link costs, costs.py, and the
+flat plan's timed gains summed over ranks), never the local tensor, so every rank of a
+group of GPU and CPU islands takes the same plan.
 """
 
 from __future__ import annotations

@@ -90,20 +90,20 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     destination lane, across once per island pair and lane, scattered inside; in pieces whose
     border stage overlaps the island stages. Moves inside an island take the border's socket
     for CPU tensors, one vendor all-to-all per stage for device tensors. A CPU all-to-all
-    in which no rank sends more than ``FLAT_BYTES`` goes flat: every block straight, one hop
+    in which no rank sends more than ``DIRECT_BYTES`` goes direct: every block straight, one hop
     (decided from the agreed rows, so every rank routes alike in a group of mixed devices)."""
     if ctx.flat is not None:
         return _flat_alltoall(ctx, counts, inputs, outputs)
     me, topo = ctx.rank, ctx.topo
     ctx.launch(copy, outputs[me], inputs[me])
     direct = ctx.direct is not None and ctx.device.host  # island moves: sockets, or the vendor's all-to-all
-    flat = (direct and ctx.every_rank_on_host()
-            and max(sum(row) for row in counts) * inputs[me].element_size() <= FLAT_BYTES)
-    way = routes.route(topo, me, flat)
+    one_hop = (direct and ctx.every_rank_on_host()
+               and max(sum(row) for row in counts) * inputs[me].element_size() <= DIRECT_BYTES)
+    way = routes.route(topo, me, one_hop)
     offsets, total = routes.staging(way.transit(), counts)
     like = inputs[me]
     staged = ctx.scratch.get("alltoall", total, like)
-    count = 1 if flat else ctx.pieces(routes.largest_crossing(topo, counts) * like.element_size())
+    count = 1 if one_hop else ctx.pieces(routes.largest_crossing(topo, counts) * like.element_size())
 
     def holder(block: routes.Block) -> torch.Tensor:
         r, t = block
@@ -155,7 +155,7 @@ def _bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.uint8) if buf.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-FLAT_BYTES = 256 << 10  # 2x2 loopback, 1 KiB: the plan part 0.64-0.87 ms flat, 0.86-1.1 ms by lanes
+DIRECT_BYTES = 256 << 10  # 2x2 loopback, 1 KiB: the plan part 0.64-0.87 ms direct, 0.86-1.1 ms by lanes
 _PACK_BYTES = 256 << 10  # below this a peer's blocks go as one message: a message costs more than a copy
 
 
