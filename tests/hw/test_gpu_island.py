@@ -56,7 +56,7 @@ def test_compressed_frames_of_gpu_tensors_are_bit_exact(dtype, sender, receiver)
         for handle in recvs:
             handle.wait(0)
         assert torch.equal(out.cpu().view(torch.uint8), x.view(torch.uint8))
-        assert torch.equal(acc.cpu(), (torch.ones(n, dtype=dtype) + x.to(receiver)).cpu())
+        assert torch.equal(acc.cpu(), torch.ones(n, dtype=dtype) + x)  # one rounding: same on any device
         assert borders[0].wire_bytes_sent < borders[0].bytes_sent
     finally:
         for border in borders:
