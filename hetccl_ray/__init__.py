@@ -12,6 +12,7 @@ import ray
 from ray.util.collective import backend_registry
 from ray.util.collective import collective as _ray_collective
 
+from hetccl_ray import rdt
 from hetccl_ray.collective import torch_backend
 from hetccl_ray.collective.group import BACKEND, HetCCLGroup
 from hetccl_ray.collective.options import GroupOptions
@@ -19,22 +20,24 @@ from hetccl_ray.collective.rendezvous import options_key, put_raw
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError, HetCCLTypeError)
 from hetccl_ray.topology import ISLAND_LABEL, Topology
+from hetccl_ray.weights import broadcast_state_dict
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND", "GroupOptions", "HetCCLGroup", "HetCCLError", "HetCCLTimeoutError", "HetCCLPeerError",
            "HetCCLMismatchError", "HetCCLBrokenError", "HetCCLInputError", "HetCCLTypeError", "ISLAND_LABEL",
            "Topology", "register", "setup_worker", "set_group_options", "create_collective_group", "get_group",
-           "get_torch_group", "alltoall", "border_stats"]
+           "get_torch_group", "alltoall", "border_stats", "broadcast_state_dict"]
 
 _NAME_GRACE_S = 10.0
 
 
 def register() -> None:
-    """Register ``"hetccl"`` with Ray's collective backend registry and with torch.distributed;
-    calling it again is harmless."""
+    """Register ``"hetccl"`` with Ray's collective backend registry, with torch.distributed and
+    as a Ray Direct Transport tensor transport; calling it again is harmless."""
     if not backend_registry._global_registry.is_registered(BACKEND):
         backend_registry.register_collective_backend(BACKEND, HetCCLGroup)
     torch_backend.register()
+    rdt.register()
 
 
 def setup_worker() -> None:
@@ -57,6 +60,26 @@ def _register_in_actor(_instance: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def _form_in_actor(_instance: Any, group_name: str) -> None:
+    _ray_collective.get_group_handle(group_name)
+
+
+def _answers(refs: Sequence[Any], ranks: Sequence[int], group_name: str, what: str, timeout_s: float) -> None:
+    """Wait for one task per actor; an actor that did not answer or failed is named with its rank
+    (a hetccl error keeps its type)."""
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for i, ref in enumerate(refs):
+        if ref not in ready:
+            raise HetCCLTimeoutError(f"group '{group_name}': actor {i} (rank {ranks[i]}) did not answer "
+                                     f"within {timeout_s:.0f}s while {what}")
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - reported with the actor it came from
+            cause = getattr(exc, "cause", exc)
+            kind = type(cause) if isinstance(cause, HetCCLError) else HetCCLError
+            raise kind(f"group '{group_name}': actor {i} (rank {ranks[i]}) failed while {what}: {cause}") from exc
+
+
 def _wait_for_name(group_name: str, grace_s: float = _NAME_GRACE_S) -> None:
     """A group destroyed a moment ago frees its name once Ray has killed its info actor."""
     deadline = time.monotonic() + grace_s
@@ -76,25 +99,20 @@ def create_collective_group(actors: Sequence[Any], world_size: int, ranks: Seque
                             **fields: Any) -> None:
     """``ray.util.collective.create_collective_group(..., backend="hetccl")`` with options, that also
     makes sure every actor has the backend registered (so an actor that never imported
-    hetccl_ray gets it, instead of Ray's "group not initialized" error). ``fields`` are
-    :class:`GroupOptions` fields, e.g. ``timeout_s=30``."""
+    hetccl_ray gets it, instead of Ray's "group not initialized" error) and forms the group
+    on every actor before it returns (as ``ray.experimental.collective`` does; Ray Direct
+    Transport's transfers need it formed), so a rank that cannot join fails here. ``fields``
+    are :class:`GroupOptions` fields, e.g. ``timeout_s=30``."""
     options = options or GroupOptions(**fields)
-    timeout_s = options.timeout_s
-    refs = [actor.__ray_call__.remote(_register_in_actor) for actor in actors]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    for i, ref in enumerate(refs):
-        if ref not in ready:
-            raise HetCCLTimeoutError(f"group '{group_name}': actor {i} (rank {ranks[i]}) did not answer "
-                                     f"within {timeout_s:.0f}s while registering the hetccl backend")
-        try:
-            ray.get(ref)
-        except Exception as exc:  # noqa: BLE001 - reported with the actor it came from
-            raise HetCCLError(f"group '{group_name}': actor {i} (rank {ranks[i]}) cannot load hetccl_ray: "
-                              f"{exc}") from exc
+    _answers([actor.__ray_call__.remote(_register_in_actor) for actor in actors], ranks, group_name,
+             "loading hetccl_ray", options.timeout_s)
     _wait_for_name(group_name)
     set_group_options(group_name, options)
     _ray_collective.create_collective_group(list(actors), world_size, list(ranks), backend="hetccl",
                                             group_name=group_name)
+    _answers([actor.__ray_call__.remote(_form_in_actor, group_name) for actor in actors], ranks, group_name,
+             "forming the group", 2 * options.timeout_s + 60)  # the formation's deadline, then calibration
+    rdt.record_members(group_name, actors, ranks)
 
 
 def get_group(group_name: str = "default") -> HetCCLGroup:

@@ -13,6 +13,7 @@ always removed. Traffic stays inside these namespaces and the bridge.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from hetccl_ray.local_cluster import REPO, island_names, parse_layout, place_wor
 from hetccl_ray.topology import ISLAND_LABEL
 
 SUBNET = "10.213"  # addresses of this machine's own test namespaces only
+_STARTED = itertools.count()  # clusters this process has made (a deleted veth can linger a moment)
 
 
 class ShapedClusterUnavailable(RuntimeError):
@@ -68,7 +70,7 @@ class ShapedCluster:
     def __init__(self, islands: Sequence[str], rate: str, burst: str = "256kb", cpus_per_node: int = 1) -> None:
         self.islands = list(dict.fromkeys(islands))
         self.rate, self.burst, self.cpus = rate, burst, cpus_per_node
-        tag = os.getpid() % 100000
+        tag = (os.getpid() + 7919 * next(_STARTED)) % 100000  # names of one process's clusters differ too
         self.net = f"{SUBNET}.{tag % 250}"
         self.bridge = f"hcbr{tag}"
         self.namespaces = [f"hc{tag}-{i}" for i in range(len(self.islands))]

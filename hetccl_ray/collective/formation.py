@@ -1,5 +1,5 @@
 """Forming a group: records through the rendezvous, the topology, the border (TCP to every
-rank, RDMA to the cross-island peers that can take it). Ray is only asked for this node's
+rank, RDMA to the cross-island peers that can take it) and the direct-transfer channel. Ray is only asked for this node's
 address and labels; torch.distributed's door passes its own store instead."""
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Formed:
     rendezvous: Rendezvous
     store: Optional[dist.Store]
     store_address: tuple[str, int]
+    direct: TcpBorder  # direct transfers (collective/direct.py): links dialled at first use
 
 
 def _generation(group_name: str) -> str:
@@ -67,6 +68,7 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
                   else Rendezvous(group_name, _generation(group_name)))
     host = options.bind_host or (ray.util.get_node_ip_address() if in_ray else _default_host())
     tcp = TcpBorder(rank, host, options.compress)
+    direct = TcpBorder(rank, host, options.compress, redial=True)
     if store is None and rank == 0:
         store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
     labels = ray.get_runtime_context().get_node_labels() if in_ray else {}
@@ -74,7 +76,8 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
     found = (verbs.discover(here.rdma_devices, here.rdma_gid_index) if options.transport != "tcp"
              else verbs.Discovery((), "transport='tcp' was asked for"))
     record = {"island": island_for(options.islands.get(rank) or here.island, labels, devices.local_accelerator()),
-              "host": host, "port": tcp.address[1], "world_size": world_size, "rdma": found.to_record()}
+              "host": host, "port": tcp.address[1], "direct_port": direct.address[1], "world_size": world_size,
+              "rdma": found.to_record()}
     if rank == 0:
         record.update(store_port=getattr(store, "port", 0), secret=secrets.token_hex(32))
     rendezvous.put(f"rank/{rank}", record)
@@ -82,8 +85,10 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
         records = _records(rendezvous, world_size, rank, group_name, options.timeout_s, deadline)
         topology = Topology.from_islands([rec["island"] for rec in records], options.max_lanes)
         island = topology.island_of(rank)
-        tcp.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank},
-                      bytes.fromhex(records[0]["secret"]), frozenset(island.ranks) - {rank})
+        secret, local = bytes.fromhex(records[0]["secret"]), frozenset(island.ranks) - {rank}
+        tcp.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank}, secret, local)
+        direct.set_peers({r: (rec["host"], rec["direct_port"]) for r, rec in enumerate(records) if r != rank},
+                         secret, local)
         tcp.connect_all(max(deadline - time.monotonic(), 1.0))
         transports = {peer: choose(options.transport, rank, found, peer,
                                    verbs.Discovery.from_record(records[peer].get("rdma")))
@@ -91,8 +96,10 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
         border = _routed(tcp, rank, topology, transports, found, rendezvous, deadline)
     except HetCCLError:
         tcp.close()
+        direct.close()
         raise
-    return Formed(topology, border, transports, rendezvous, store, (records[0]["host"], records[0]["store_port"]))
+    return Formed(topology, border, transports, rendezvous, store, (records[0]["host"], records[0]["store_port"]),
+                  direct)
 
 
 def _records(rendezvous: Rendezvous, world_size: int, rank: int, group_name: str, timeout_s: float,

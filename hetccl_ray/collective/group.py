@@ -28,12 +28,13 @@ from hetccl_ray.collective import plans, planner, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import OP_CODES, Call
 from hetccl_ray.collective.checks import ArgumentChecks
+from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
 from hetccl_ray.buffers import copy
-from hetccl_ray.collective.rendezvous import get_raw, options_key
+from hetccl_ray.collective.rendezvous import StoreRendezvous, delete, get_raw, members_key, options_key
 from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError)
@@ -87,6 +88,7 @@ class HetCCLGroup(BaseGroup):
             self._pipeline.shutdown()
             raise
         self.topology, self.border, self.transports = formed.topology, formed.border, formed.transports
+        self.direct = DirectChannel(formed.direct, group_name, rank, self.options.timeout_s)
         self._rendezvous, self._store, self._store_address = formed.rendezvous, formed.store, formed.store_address
         for peer, choice in self.lane_transports().items():
             logger.info("hetccl group '%s' rank %d -> rank %d: %s (%s)", group_name, rank, peer, choice.transport,
@@ -568,6 +570,7 @@ class HetCCLGroup(BaseGroup):
         """Close the border, the island communicators and the progress thread; drop KV records."""
         self._progress.close()
         self.border.close()
+        self.direct.close()
         self._pipeline.shutdown(wait=True, cancel_futures=True)
         for library in [*self._islands.values(), *([self._flat] if self._flat is not None else [])]:
             library.close()
@@ -575,4 +578,6 @@ class HetCCLGroup(BaseGroup):
         self._flat = None
         for key in (f"rank/{self.rank}", f"progress/{self.rank}"):
             self._rendezvous.delete(key)
+        if self.rank == 0 and not isinstance(self._rendezvous, StoreRendezvous):
+            delete(members_key(self.group_name))  # no direct transfer is routed to it any more
         self._store = None

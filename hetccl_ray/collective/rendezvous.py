@@ -17,6 +17,16 @@ def options_key(group_name: str) -> str:
     return f"{group_name}/options"
 
 
+def members_key(group_name: str) -> str:
+    """Where the driver records which actor is which rank (direct transfers find groups there)."""
+    return f"members/{group_name}"
+
+
+def keys(prefix: str) -> list[str]:
+    """The keys under ``prefix``."""
+    return [key.decode() for key in kv._internal_kv_list(prefix, namespace=NAMESPACE)]
+
+
 def put_raw(key: str, value: bytes) -> None:
     kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
 

@@ -83,6 +83,19 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def _closed_by_peer(link: "_Link") -> bool:
+    """Whether an idle link's peer has closed it (an end of stream waits unread): a redialling
+    border dials again rather than send into it."""
+    if link.sends or link.recvs:
+        return False
+    try:
+        return link.sock.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 def _proof(secret: bytes, challenge: bytes, rank: int) -> bytes:
     return hmac.new(secret, challenge + _RANK.pack(rank), hashlib.sha256).digest()
 
@@ -411,10 +424,14 @@ class TcpBorder(ByteCounter):
     Counts the payload bytes of messages to and from peers outside ``local`` (this rank's
     island): the bytes that cross island boundaries."""
 
-    def __init__(self, rank: int, bind_host: str, compress: str = "auto") -> None:
+    def __init__(self, rank: int, bind_host: str, compress: str = "auto", redial: bool = False) -> None:
+        """``redial``: a failed link is replaced by a fresh connection at its next use (the
+        direct-transfer channel, whose transfers are independent), instead of failing every
+        later message (a group's border, whose failure breaks the group)."""
         super().__init__()
         self.rank = rank
         self.compress = compress
+        self.redial = redial
         self.rejected = 0
         self.local: frozenset[int] = frozenset()
         self._secret = b""
@@ -424,6 +441,7 @@ class TcpBorder(ByteCounter):
         self._cond = threading.Condition()
         self._drive_lock = threading.Lock()
         self._closed = False
+        self._dropped: dict[int, float] = {}  # peer -> when drop() ended its link (wakes its dialler's wait)
         self._listener = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((bind_host, 0))
@@ -539,19 +557,40 @@ class TcpBorder(ByteCounter):
             poll = _POLL_S if len(waiting) == len(links) else 0.001  # busy links: look again soon
             select.select(waiting, [], [], min(left, poll))
 
+    def drop(self, peer: int, error: BaseException) -> None:
+        """End the link to ``peer`` now: its queued messages fail with ``error`` and the peer
+        sees the connection close (an aborted or timed-out transfer leaves no stream out of step)."""
+        with self._cond:
+            link = self._links.get(peer)
+            self._dropped[peer] = time.monotonic()
+            self._cond.notify_all()
+        if link is not None:
+            link.fail(error)
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def _link(self, peer: int, timeout_s: float) -> _Link:
         with self._cond:
             link = self._links.get(peer)
+            if link is not None and self.redial and (link.error is not None or _closed_by_peer(link)):
+                del self._links[peer]
+                link.sock.close()
+                link = None
         if link is not None:
             return link
         if peer == self.rank or peer not in self._addresses:
             raise ValueError(f"rank {self.rank} has no border address for rank {peer}")
         if self.rank < peer:
             return self._connect(peer, timeout_s)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         with self._cond:
             while peer not in self._links:
                 left = deadline - time.monotonic()
+                if self._dropped.get(peer, started - 1) >= started:
+                    raise HetCCLPeerError(f"rank {self.rank}: the wait for rank {peer} to connect was aborted")
                 if left <= 0 or self._closed:
                     raise HetCCLTimeoutError(
                         f"rank {self.rank}: rank {peer} did not connect to the border within {timeout_s:.1f}s")
@@ -598,8 +637,15 @@ class TcpBorder(ByteCounter):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._cond:
-            link = self._links.setdefault(peer, _Link(self, peer, sock))
+            old = self._links.get(peer)
+            if old is None or self.redial:  # a peer that dials again has given up the old link
+                link = self._links[peer] = _Link(self, peer, sock)
+            else:
+                link, old = old, None
+                sock.close()
             self._cond.notify_all()
+        if old is not None:
+            old.close()
         return link
 
     def _accept_loop(self) -> None:
