@@ -99,10 +99,12 @@ def _group(name: str) -> HetCCLGroup:
 
 def receiving_device(sender_type: Optional[str]) -> torch.device:
     """Where this actor receives a tensor made on ``sender_type``: on its own accelerator of
-    that type (an AMD and an NVIDIA GPU are both ``cuda`` to torch), else in host memory."""
+    that type (an AMD and an NVIDIA GPU are both ``cuda`` to torch; a GPU is this actor's
+    when Ray gave it one, not merely when the host has one), else in host memory."""
     if sender_type and sender_type != "cpu":
         module = getattr(torch, sender_type, None)
-        if module is not None and module.is_available():
+        mine = bool(ray.get_gpu_ids()) if sender_type == "cuda" else True
+        if mine and module is not None and module.is_available():
             return torch.device(sender_type, module.current_device())
     return torch.device("cpu")
 
