@@ -440,6 +440,7 @@ class TcpBorder(ByteCounter):
         self._links: dict[int, _Link] = {}
         self._cond = threading.Condition()
         self._drive_lock = threading.Lock()
+        self._dial_lock = threading.Lock()
         self._closed = False
         self._dropped: dict[int, float] = {}  # peer -> when drop() ended its link (wakes its dialler's wait)
         self._listener = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
@@ -571,19 +572,25 @@ class TcpBorder(ByteCounter):
             except OSError:
                 pass
 
-    def _link(self, peer: int, timeout_s: float) -> _Link:
+    def _usable(self, peer: int) -> Optional[_Link]:
+        """The link to ``peer``, if there is one to use (a redialling border drops a dead one)."""
         with self._cond:
             link = self._links.get(peer)
             if link is not None and self.redial and (link.error is not None or _closed_by_peer(link)):
                 del self._links[peer]
                 link.sock.close()
                 link = None
+        return link
+
+    def _link(self, peer: int, timeout_s: float) -> _Link:
+        link = self._usable(peer)
         if link is not None:
             return link
         if peer == self.rank or peer not in self._addresses:
             raise ValueError(f"rank {self.rank} has no border address for rank {peer}")
         if self.rank < peer:
-            return self._connect(peer, timeout_s)
+            with self._dial_lock:  # threads that need the same new link: one dials, the others take it
+                return self._usable(peer) or self._connect(peer, timeout_s)
         started = time.monotonic()
         deadline = started + timeout_s
         with self._cond:
