@@ -1,0 +1,18 @@
+"""examples/train_multimodal_mixed.py through Ray Train's TorchTrainer: the encoder on one
+island, the language model on the other, trained a few steps; what crosses per step is the
+image embeddings and their gradient, counted, no more."""
+
+from __future__ import annotations
+
+import math
+
+from examples import train_multimodal_mixed as example
+
+
+def test_the_multimodal_example_trains_and_sends_activations_and_gradients_only():
+    micro, size = 2, 4
+    metrics = example.main(["--steps", "3", "--micro", str(micro), "--size", str(size), "--enc-depth", "2"])
+    for step, _, loss, _, across in metrics["rows"]:
+        patches = 8 + 4 * (step % 3)  # the patch count changes every step
+        assert across == 2 * micro * size * patches * example.WIDTH * 4, (step, across)  # float32, there and back
+        assert math.isfinite(loss) and loss > 0
