@@ -22,12 +22,14 @@ its last one crosses.
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
+from hetccl_ray import devices
 from hetccl_ray.errors import HetCCLInputError
 
 REPLICATED, SEQUENCE = "replicated", "sequence"
@@ -260,7 +262,18 @@ class Bridge:
         return self._key | (call & 0xFFFFFFF) << 18 | hop << 1 | backward
 
     def _send(self, tensor: torch.Tensor, peer: int, transfer: int) -> None:
-        self._sent.append(self._sender.submit(self.channel.send_shaped, tensor, peer, transfer))
+        """Send on the bridge's thread, once the work that made ``tensor`` on this thread's
+        stream is done (the thread's own copies go on another stream)."""
+        device = devices.of(tensor)
+        made = None if device.host else device.current_stream().record()
+        timeout_s = self.channel.timeout_s
+
+        def send() -> None:
+            if made is not None:
+                made.synchronize(time.monotonic() + timeout_s, f"bridge message {transfer:#x}")
+            self.channel.send_shaped(tensor, peer, transfer)
+
+        self._sent.append(self._sender.submit(send))
 
     def _settle(self) -> None:
         """Raise what a finished send raised; keep the ones still going."""
