@@ -3,6 +3,7 @@ through Ray Train's TorchTrainer over the hetccl backend.
 
     python examples/train_multimodal_mixed.py                  # 2 workers: vision island, language island
     python examples/train_multimodal_mixed.py --compare        # also time the same steps without overlap
+    python examples/train_multimodal_mixed.py --encoders 2 --lms 1   # each module its own data-parallel degree
 
 A patch encoder (over synthetic images whose patch count changes every step) runs on the
 ``vision`` island, a small transformer over synthetic tokens (whose length changes too), the
@@ -20,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import ray.train
 import torch
@@ -32,7 +33,7 @@ from hetccl_ray.bridge import Bridge, Layout
 from hetccl_ray.collective.train import labelled_trainer
 from hetccl_ray.local_cluster import LocalCluster
 
-ISLANDS = ["vision", "language"]  # rank 0: the encoder; rank 1: the language model
+ISLANDS = ["vision", "language"]  # the encoder's ranks first, then the language model's
 WIDTH, PATCH, VOCAB = 192, 48, 64
 
 
@@ -72,12 +73,15 @@ def batch(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]
 def train_loop(config: dict) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(config["threads"])  # islands stand for devices that compute side by side
-    rank = dist.get_rank()
-    vision = rank == 0
+    rank, encoders, world = dist.get_rank(), config["encoders"], dist.get_world_size()
+    vision = rank < encoders
     model = encoder(config["enc_depth"]) if vision else LanguageModel(config["lm_depth"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     group = hetccl_ray.get_torch_group()
-    bridge = Bridge(group, Layout((0,)), Layout((1,)), name="vision->language")
+    # each module data-parallel over its own ranks: its own degree, its own gradient average
+    module_groups = [dist.new_group(list(range(encoders))), dist.new_group(list(range(encoders, world)))]
+    bridge = Bridge(group, Layout(tuple(range(encoders))), Layout(tuple(range(encoders, world))),
+                    name="vision->language")
     schedules = ["overlap", "sequential"] if config["compare"] else ["overlap"]
     times: dict[str, list[float]] = {s: [] for s in schedules}
     rows = []
@@ -88,12 +92,13 @@ def train_loop(config: dict) -> None:
         before = group.direct.border.bytes_sent
         shapes_of = step // len(schedules)  # compared steps share their shapes and data
         loss = run_step(model, bridge, shapes_of, config, vision, schedule == "sequential")
+        sum_gradients(model, module_groups[0 if vision else 1])
         opt.step()
         opt.zero_grad()
         bridge.flush()
         elapsed = time.perf_counter() - started
-        stats = torch.tensor([loss, float(group.direct.border.bytes_sent - before), elapsed])
-        dist.all_reduce(stats)  # the language model's loss, both ranks' bytes, the slower rank's time ~ sum / 2
+        stats = torch.tensor([loss, float(group.direct.border.bytes_sent - before)])
+        dist.all_reduce(stats)  # the language model's mean loss, the bytes every rank sent across
         if step >= len(schedules):  # the first round warms up
             times[schedule].append(elapsed)
         rows.append((step, schedule, stats[0].item(), elapsed * 1e3, int(stats[1].item())))
@@ -106,11 +111,24 @@ def train_loop(config: dict) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None)
 
 
+def sum_gradients(model: nn.Module, module_group: Any) -> None:
+    """Data parallelism inside a module: each rank's loss is its share of the global mean, so
+    the module's gradient is the sum of its ranks' (one flat all-reduce)."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=module_group)
+    torch.nn.utils.vector_to_parameters(flat, grads)
+
+
 def run_step(model: nn.Module, bridge: Bridge, step: int, config: dict, vision: bool, sequential: bool) -> float:
-    """One step of ``config["micro"]`` microbatches; returns the language model's mean loss (0 on the encoder)."""
-    total = 0.0
+    """One step of ``config["micro"]`` microbatches; returns this rank's share of the language
+    model's mean loss (0 on encoders). Encoder rank i takes chunk i of each microbatch; a
+    language-model rank takes the tokens of the rows the bridge hands it."""
+    total, encoders = 0.0, config["encoders"]
+    counts = [len(c) for c in torch.arange(config["size"]).tensor_split(encoders)]
     if vision:
-        anchors = [bridge(model(batch(step, m, config["size"])[0])) for m in range(config["micro"])]
+        mine = torch.arange(config["size"]).tensor_split(encoders)[dist.get_rank()]
+        anchors = [bridge(model(batch(step, m, config["size"])[0][mine])) for m in range(config["micro"])]
         if sequential:
             dist.barrier()  # the language model runs all of its microbatches now
             dist.barrier()
@@ -119,9 +137,10 @@ def run_step(model: nn.Module, bridge: Bridge, step: int, config: dict, vision: 
         return total
     if sequential:
         dist.barrier()  # after the encoder's forward passes
+    rows = bridge.rows(counts)
     for m in range(config["micro"]):
         images = bridge(None)
-        loss = model(images, batch(step, m, config["size"])[1]) / config["micro"]
+        loss = model(images, batch(step, m, config["size"])[1][rows]) / config["micro"] * len(rows) / config["size"]
         loss.backward()
         total += loss.item()
     if sequential:
@@ -139,11 +158,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--lm-depth", type=int, default=1)
     parser.add_argument("--compare", action="store_true", help="alternate with steps without overlap")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (this VM: 2 cores)")
+    parser.add_argument("--encoders", type=int, default=1, help="data-parallel degree of the encoder (vision island)")
+    parser.add_argument("--lms", type=int, default=1, help="data-parallel degree of the language model")
     args = parser.parse_args(argv)
     config = {"steps": args.steps, "micro": args.micro, "size": args.size, "enc_depth": args.enc_depth,
-              "lm_depth": args.lm_depth, "compare": args.compare, "threads": args.threads}
+              "lm_depth": args.lm_depth, "compare": args.compare, "threads": args.threads, "encoders": args.encoders}
+    islands = ["vision"] * args.encoders + ["language"] * args.lms
     with LocalCluster(ISLANDS):
-        result = labelled_trainer(train_loop, ISLANDS, config).fit()
+        result = labelled_trainer(train_loop, islands, config).fit()
     metrics = result.metrics
     for step, schedule, loss, ms, across in metrics["rows"]:
         print(f"step {step:3d} {schedule:>10}  loss {loss:.4f}  {ms:7.1f} ms  {across} bytes across")

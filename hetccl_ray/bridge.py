@@ -139,6 +139,18 @@ def routes(src: Layout, dst: Layout, island_of: Sequence[str]) -> Routes:
     return Routes({r: tuple(v) for r, v in items.items()}, tuple(hops), providers)
 
 
+def rows_held(items: Sequence[Item], counts: Sequence[int]) -> list[int]:
+    """The rows of the global batch (source chunks concatenated in group order) that a
+    destination rank holding ``items`` has, given each source group's row count: where its
+    labels come from."""
+    starts = [sum(counts[:g]) for g in range(len(counts))]
+    held: list[int] = []
+    for item in items:
+        rows = torch.arange(starts[item.source], starts[item.source] + counts[item.source])
+        held += torch.tensor_split(rows, item.parts)[item.part].tolist()
+    return held
+
+
 def _check(src: Layout, dst: Layout, world: int) -> None:
     """Refuse what no route can serve, before any data moves."""
     if src.split != REPLICATED:
@@ -194,6 +206,10 @@ class Bridge:
         self._calls += 1
         anchor = x if x is not None else torch.zeros((), requires_grad=True)
         return _Bridged.apply(self, self._calls, anchor)
+
+    def rows(self, counts: Sequence[int]) -> list[int]:
+        """The rows of the global batch this rank's destination part holds (see :func:`rows_held`)."""
+        return rows_held(self._mine(), counts)
 
     def flush(self) -> None:
         """Wait until every message this rank sent has left (the end of a step)."""

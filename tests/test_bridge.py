@@ -12,7 +12,7 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.bridge import SEQUENCE, Bridge, Layout, routes
+from hetccl_ray.bridge import SEQUENCE, Bridge, Layout, routes, rows_held
 from hetccl_ray.errors import HetCCLInputError
 from tests import cluster as test_cluster
 
@@ -50,6 +50,17 @@ def test_each_piece_crosses_into_each_island_once(case):
 def test_a_replicated_destination_takes_a_piece_once_per_island_and_hands_it_on():
     found = routes(Layout((0,)), Layout((1, 2, 3), dp=1), ["a", "b", "b", "b"])
     assert [(h.src, h.dst) for h in found.hops] == [(0, 1), (1, 2), (1, 3)]
+
+
+@pytest.mark.parametrize("src,dst,want", [
+    (Layout((0, 1)), Layout((2,)), {2: [0, 1, 2, 3, 4]}),                    # fan-in
+    (Layout((0,)), Layout((2, 3)), {2: [0, 1, 2], 3: [3, 4]}),               # fan-out (tensor_split)
+    (Layout((0, 1)), Layout((2, 3), dp=1, split=SEQUENCE), {2: [0, 1, 2, 3, 4], 3: [0, 1, 2, 3, 4]}),
+])
+def test_a_destination_knows_which_rows_it_holds(src, dst, want):
+    counts = [5] if src.dp == 1 else [3, 2]
+    found = routes(src, dst, ISLANDS)
+    assert {rank: rows_held(found.items[rank], counts) for rank in want} == want
 
 
 @pytest.mark.parametrize("src,dst,message", [
