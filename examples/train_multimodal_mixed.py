@@ -102,6 +102,7 @@ def train_loop(config: dict) -> None:
         if step >= len(schedules):  # the first round warms up
             times[schedule].append(elapsed)
         rows.append((step, schedule, stats[0].item(), elapsed * 1e3, int(stats[1].item())))
+    bridge.close()
     medians = {s: statistics.median(t) if t else 0.0 for s, t in times.items()}
     metrics = {"rows": rows, "ms": {s: m * 1e3 for s, m in medians.items()},
                "overlap/sequential": medians["overlap"] / medians["sequential"] if config["compare"] else None}

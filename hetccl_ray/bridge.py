@@ -227,10 +227,9 @@ class Bridge:
         """Send what this rank provides, receive and hand on what it lands, assemble its part."""
         self._settle()
         have: dict[Item, torch.Tensor] = {}
-        if x is not None:
-            group = self.src.place(self.rank)[0]
+        if x is not None:  # the items this rank provides (a source group's first rank provides it all)
             for item in {h.item for h in self.routes.hops if h.src == self.rank} | set(self._mine()):
-                if self.routes.providers[item.source] == self.rank and item.source == group:
+                if self.routes.providers[item.source] == self.rank:
                     have[item] = _cut(x.detach(), item, self.dst.seq_dim).contiguous()
         for hop in self.routes.hops:
             if hop.src == self.rank:

@@ -48,6 +48,10 @@ class DirectPair(CommunicatorMetadata):
     transfer: int = 0
 
 
+# (src, dst) actor ids -> the group that carries their transfers and their ranks there
+_carriers: dict[tuple[str, str], tuple[str, int, int]] = {}
+
+
 def record_members(group_name: str, actors: Sequence[Any], ranks: Sequence[int]) -> None:
     """Remember which actor is which rank of ``group_name`` (on the process that creates it)."""
     for pair in [pair for pair, carrier in _carriers.items() if carrier[0] == group_name]:
@@ -63,10 +67,6 @@ def _groups() -> dict[str, dict[str, int]]:
         if raw:
             found[key[len(members_key("")):]] = json.loads(raw)
     return found
-
-
-# (src, dst) actor ids -> the group that carries their transfers and their ranks there
-_carriers: dict[tuple[str, str], tuple[str, int, int]] = {}
 
 
 def shared_group(src: str, dst: str) -> tuple[str, int, int]:

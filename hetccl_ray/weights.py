@@ -31,18 +31,16 @@ def broadcast_state_dict(state: Mapping[str, torch.Tensor], src_rank: int = 0, g
     sending = col.get_rank(group_name) == src_rank
     for dtype in sorted(by_dtype, key=str):
         tensors = by_dtype[dtype]
-        packed = _PACKED.get((group_name, dtype, tensors[0].device), sum(t.numel() for t in tensors), tensors[0])
-        spans = []
-        for t in tensors:
-            start = spans[-1][1] if spans else 0
-            spans.append((start, start + t.numel()))
+        sizes = [t.numel() for t in tensors]
+        packed = _PACKED.get(group_name, sum(sizes), tensors[0])  # kept per (group, dtype, device)
+        parts = packed.split(sizes)
         if sending:
-            for t, (start, end) in zip(tensors, spans):
-                copy(packed[start:end], t.reshape(-1))
+            for t, part in zip(tensors, parts):
+                copy(part, t.reshape(-1))
         col.broadcast(packed, src_rank=src_rank, group_name=group_name)
         if not sending:
-            for t, (start, end) in zip(tensors, spans):
+            for t, part in zip(tensors, parts):
                 if t.is_contiguous():
-                    copy(t.view(-1), packed[start:end])
+                    copy(t.view(-1), part)
                 else:
-                    t.copy_(packed[start:end].view(t.shape))
+                    t.copy_(part.view(t.shape))

@@ -26,6 +26,7 @@ _MAX_DIMS = 8
 _SHAPE = struct.Struct(f"!BB{_MAX_DIMS}Q")  # a shaped message's control bytes: dtype, ndim, the dims
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_NO_PAYLOAD = torch.empty(0, dtype=torch.uint8)  # a shaped message's header carries control bytes only
 
 
 class DirectChannel:
@@ -55,13 +56,13 @@ class DirectChannel:
                                    f"messages take up to {_MAX_DIMS} dims of {[str(d) for d in _DTYPES]}")
         shape = _SHAPE.pack(_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape,
                             *[0] * (_MAX_DIMS - tensor.dim()))
-        self._run("send", [(0, torch.empty(0, dtype=torch.uint8), shape)] + _messages([tensor], first=1),
+        self._run("send", [(0, _NO_PAYLOAD, shape)] + _messages([tensor], first=1),
                   peer, transfer)
 
     def recv_shaped(self, peer: int, transfer: int, device: torch.device) -> torch.Tensor:
         """Counterpart of :meth:`send_shaped`: a new tensor of the sender's shape and dtype on
         ``device``."""
-        (header,) = self._run("recv", [(0, torch.empty(0, dtype=torch.uint8), b"")], peer, transfer)
+        (header,) = self._run("recv", [(0, _NO_PAYLOAD, b"")], peer, transfer)
         dtype, ndim, *dims = _SHAPE.unpack(header.extra)
         out = torch.empty(dims[:ndim], dtype=_DTYPES[dtype], device=device)
         self._run("recv", _messages([out], first=1), peer, transfer)
@@ -100,6 +101,7 @@ class DirectChannel:
                 handle.wait(max(deadline - time.monotonic(), 0.0))
         except (HetCCLError, RuntimeError, ValueError, OSError) as exc:
             # a stream left mid-message is out of step: the next transfer dials a fresh link
+            self._aborted.discard(transfer)  # an abort that came while this side waited is spent
             self.border.drop(peer, HetCCLPeerError(f"{where} failed"))
             error = HetCCLTimeoutError if isinstance(exc, HetCCLTimeoutError) else HetCCLPeerError
             raise error(f"{where} ({kind} side, deadline {self.timeout_s:.0f}s): {exc}") from exc
@@ -112,7 +114,8 @@ def _messages(tensors: Sequence[torch.Tensor], first: int = 0) -> list[tuple[int
 
 
 def _visible(buffers: Sequence[torch.Tensor], timeout_s: float) -> None:
-    """Received device bytes are there for any stream (the copies ran on this thread's)."""
-    for buf in buffers:
+    """Received device bytes are there for any stream (the copies ran on this thread's): one
+    host wait per device, not per tensor."""
+    for buf in {buf.device: buf for buf in buffers}.values():
         if not devices.of(buf).host:
             devices.synchronize(buf, timeout_s)

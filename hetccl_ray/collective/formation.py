@@ -1,6 +1,7 @@
 """Forming a group: records through the rendezvous, the topology, the border (TCP to every
-rank, RDMA to the cross-island peers that can take it) and the direct-transfer channel. Ray is only asked for this node's
-address and labels; torch.distributed's door passes its own store instead."""
+rank, RDMA to the cross-island peers that can take it) and the direct-transfer channel.
+Ray is only asked for this node's address and labels; torch.distributed's door passes its
+own store instead."""
 
 from __future__ import annotations
 
@@ -86,9 +87,8 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
         topology = Topology.from_islands([rec["island"] for rec in records], options.max_lanes)
         island = topology.island_of(rank)
         secret, local = bytes.fromhex(records[0]["secret"]), frozenset(island.ranks) - {rank}
-        tcp.set_peers({r: (rec["host"], rec["port"]) for r, rec in enumerate(records) if r != rank}, secret, local)
-        direct.set_peers({r: (rec["host"], rec["direct_port"]) for r, rec in enumerate(records) if r != rank},
-                         secret, local)
+        for border, port in ((tcp, "port"), (direct, "direct_port")):
+            border.set_peers({r: (rec["host"], rec[port]) for r, rec in enumerate(records) if r != rank}, secret, local)
         tcp.connect_all(max(deadline - time.monotonic(), 1.0))
         transports = {peer: choose(options.transport, rank, found, peer,
                                    verbs.Discovery.from_record(records[peer].get("rdma")))

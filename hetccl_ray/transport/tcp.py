@@ -378,12 +378,17 @@ class _Link:
         try:
             return self._drain(self.sends) | self._drain(self.recvs)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
-            self.fail(exc)
-            try:  # the stream is out of step: the peer hears it now rather than at its deadline
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self.end(exc)
             return True
+
+    def end(self, exc: BaseException) -> None:
+        """Fail the link with ``exc``; the stream is out of step, so the peer hears it now
+        (the connection shut down) rather than at its deadline."""
+        self.fail(exc)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _drain(self, queue: "collections.deque") -> bool:
         """Finish queued messages in order until the socket would block; count their bytes."""
@@ -566,11 +571,7 @@ class TcpBorder(ByteCounter):
             self._dropped[peer] = time.monotonic()
             self._cond.notify_all()
         if link is not None:
-            link.fail(error)
-            try:
-                link.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            link.end(error)
 
     def _usable(self, peer: int) -> Optional[_Link]:
         """The link to ``peer``, if there is one to use (a redialling border drops a dead one)."""
