@@ -346,9 +346,9 @@ def lane_transports(group: str, rank: int) -> tuple[list[str], list[str]]:
 
 def plan_taken(group: str, op: str, nbytes: int) -> str:
     """In one actor: the plan a call of ``op`` on ``nbytes`` takes in this group (the group's
-    agreed choice, the same on every rank): round, plan, flat, or the op's own way."""
+    agreed choice, the same on every rank): round, plan, flat; direct (all-to-all) or p2p."""
     formed = hetccl_ray.get_group(group)
-    return formed.plan_of(op, nbytes) if op in costs.FLAT_OPS else "p2p"
+    return formed.plan_of(op, nbytes) if op in costs.OPS else ("direct" if op == "alltoall" else "p2p")
 
 
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,

@@ -85,25 +85,25 @@ def test_calibration_times_each_op_by_both_plans_and_keeps_the_flat_one_only_whe
     from hetccl_ray.collective import planner
 
     p = planner.Planner(TWO_BY_TWO)
-    seconds = {planner.FLAT: 1e-3, planner.PLAN: 3e-3}  # the flat plan wins, except all-to-all
+    seconds = {planner.FLAT: 1e-3, planner.PLAN: 3e-3}  # the flat plan wins, except broadcast
     taken = []
 
     def call(op):
         def run():
             plan = p.plan_of(op, max(planner.PROBE_BYTES))
             taken.append(plan)
-            time.sleep(seconds[plan] * (5 if op == "alltoall" and plan == planner.FLAT else 1))
+            time.sleep(seconds[plan] * (5 if op == "broadcast" and plan == planner.FLAT else 1))
         return run
 
     def broadcast(t):
         time.sleep(1e-4 + t.numel() * 8 / 1e9 * 3)
 
     planner.calibrate(p, None, "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e9 * 3), lambda: time.sleep(3e-4),
-                      broadcast, lambda t: None, lambda t: t.mul_(4), lambda nbytes: {op: call(op) for op in costs.FLAT_OPS})
-    assert taken.count(planner.FLAT) == taken.count(planner.PLAN) == len(costs.FLAT_OPS) * (planner.OP_PROBE_ROUNDS + 1)
-    assert p.flat_from["alltoall"] == math.inf
-    assert all(p.flat_from[op] <= max(planner.PROBE_BYTES) for op in costs.OPS)
-    assert p.plan_of("allreduce", 64 << 20) == planner.FLAT and p.plan_of("alltoall", 64 << 20) == planner.PLAN
+                      broadcast, lambda t: None, lambda t: t.mul_(4), lambda nbytes: {op: call(op) for op in costs.OPS})
+    assert taken.count(planner.FLAT) == taken.count(planner.PLAN) == len(costs.OPS) * (planner.OP_PROBE_ROUNDS + 1)
+    assert p.flat_from["broadcast"] == math.inf
+    assert all(p.flat_from[op] <= max(planner.PROBE_BYTES) for op in costs.OPS if op != "broadcast")
+    assert p.plan_of("allreduce", 64 << 20) == planner.FLAT and p.plan_of("broadcast", 64 << 20) == planner.PLAN
 
 
 def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
@@ -119,6 +119,6 @@ def test_a_slow_flat_library_is_timed_at_a_smaller_size():
 
     fast, slow = planner._op_probe_bytes(2e-3), planner._op_probe_bytes(0.5)  # 4 MiB flat broadcast: 2 ms, 500 ms
     assert fast == max(planner.PROBE_BYTES)
-    calls = len(costs.FLAT_OPS) * (planner.OP_PROBE_ROUNDS + 1) * 2
+    calls = len(costs.OPS) * (planner.OP_PROBE_ROUNDS + 1) * 2
     assert slow == pytest.approx(max(planner.PROBE_BYTES) * planner.OP_PROBE_BUDGET_S / (calls * 0.5), rel=1e-6)
     assert planner._op_probe_bytes(60.0) == min(planner.PROBE_BYTES)  # never below the small probe

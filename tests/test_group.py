@@ -151,7 +151,7 @@ def sweep_alltoall(name, rank, world, kinds):
             outs = [make(np.full(sizes[r, rank], 99.0), dtype, lib) for r in range(world)]
             hetccl_ray.alltoall(ins, outs, group_name=name)
             out[kind, dtype] = ([as_float(t) for t in outs], _last_bytes(name))
-    if "uneven" in kinds:  # blocks as pieces of one buffer each way (the flat plan uses them in place)
+    if "uneven" in kinds:  # blocks as pieces of one buffer each way
         sizes = block_sizes(world, "uneven")
         whole_in = torch.tensor(np.concatenate([block(rank, t, sizes[rank, t]) for t in range(world)]))
         whole_out = torch.full((int(sizes[:, rank].sum()),), 99.0, dtype=torch.float64)
@@ -203,8 +203,7 @@ def test_alltoall_even_uneven_every_dtype(actors, name):
                 np.testing.assert_array_equal(results[rank][key][0][src], block(src, rank, sizes[src, rank]),
                                               err_msg=f"{key}: rank {rank} from {src}")
         bound = sum(int(sizes[r, t]) for r in range(world) for t in range(world) if islands[r] != islands[t])
-        flat = name.endswith("-flat")  # all-to-all has no small round: Gloo's at every size
-        assert sum(results[r][key][1] for r in range(world)) == (0 if flat else bound * itemsize(dtype)), key
+        assert sum(results[r][key][1] for r in range(world)) == bound * itemsize(dtype), key  # flat groups too
     gathered = results[world - 1]["gather"][0]
     for src in range(world):
         np.testing.assert_array_equal(gathered[src], block(src, 0, 9))

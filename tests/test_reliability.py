@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import ray
+import torch
 from ray.util import collective as col
 
 import hetccl_ray
@@ -140,6 +141,10 @@ MISMATCHES = {
     "count": (lambda rank: ("allreduce", 101 if rank == 1 else 100, np.float64, 0), [1], "101 elements"),
     "root": (lambda rank: ("broadcast", 100, np.float64, 1 if rank == 2 else 0), [2], "root 1"),
     "op": (lambda rank: ("reduce" if rank == 0 else "allreduce", 100, np.float64, 0), [0], "reduce"),
+    # the others' all-to-all blocks (800 KB each, more than a socket holds) went ahead of the
+    # round: every rank drains what it was sent, and the next op finds the links clean
+    "ahead": (lambda rank: ("allreduce", 100, np.float64, 0) if rank == 2 else ("alltoall", 100_000, np.float64, 0),
+              [2], "allreduce"),
 }
 
 
@@ -151,6 +156,9 @@ def _mismatched_then_fine(name, rank, case):
             col.allreduce(x, group_name=name)
         elif op == "broadcast":
             col.broadcast(x, src_rank=root, group_name=name)
+        elif op == "alltoall":
+            hetccl_ray.alltoall([torch.from_numpy(x) for _ in range(4)], [torch.zeros(n, dtype=torch.float64)
+                                                                        for _ in range(4)], group_name=name)
         else:
             col.reduce(x, dst_rank=root, group_name=name)
         message = "no error"

@@ -80,6 +80,11 @@ def _named(calls: dict[int, Call]) -> str:
     return "; ".join(f"ranks {ranks} called {call}" for call, ranks in ordered)
 
 
+def on_host(row: Sequence[int]) -> bool:
+    """Whether a row's buffers are host memory (device class cpu)."""
+    return row[_DEVICE] == 0
+
+
 def all_host(rows: Iterable[Sequence[int]]) -> bool:
-    """Whether every row's buffers are host memory (device class cpu)."""
-    return all(row[_DEVICE] == 0 for row in rows)
+    """Whether every row's buffers are host memory."""
+    return all(map(on_host, rows))

@@ -24,8 +24,7 @@ from typing import Optional, Sequence
 
 from hetccl_ray.topology import Topology
 
-OPS = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")  # the small round's ops
-FLAT_OPS = (*OPS, "alltoall")  # the flat library runs these too
+OPS = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")  # the small round's ops, and the flat library's
 TREE_HOPS = 3
 MAX_SMALL_BYTES = 4 << 20  # a leader holds whole buffers: above this the island plans run regardless
 _RATE_RANGE = (10e6, 10e9)  # bytes/s a noisy probe may report; outside it the slope was noise

@@ -123,11 +123,10 @@ class HetCCLGroup(BaseGroup):
         zeros: what the planner times to choose between the flat and the hierarchical plan."""
         whole = torch.zeros(nbytes // 4 // self.world_size * self.world_size)
         parts = list(whole.chunk(self.world_size))
-        part, into = torch.zeros_like(parts[0]), [torch.zeros_like(t) for t in parts]
+        part = torch.zeros_like(parts[0])
         return {"allreduce": lambda: self.allreduce(whole), "reduce": lambda: self.reduce(whole),
                 "broadcast": lambda: self.broadcast(whole), "allgather": lambda: self.allgather([parts], [part]),
-                "reducescatter": lambda: self.reducescatter([part], [parts]),
-                "alltoall": lambda: self.alltoall(parts, into)}
+                "reducescatter": lambda: self.reducescatter([part], [parts])}
 
     def _flat_library(self) -> IslandComm:
         """Gloo over every rank, ranked in island-major order (the layout of per-rank chunks),
@@ -444,22 +443,21 @@ class HetCCLGroup(BaseGroup):
         device work once the outputs are filled (writing them back into the user's tensors)."""
         same_kind(Operand(inputs[0]), [Operand(t) for t in [*inputs, *outputs]], "alltoall tensors", sizes=False)
         mine = [t.numel() for t in inputs] + [t.numel() for t in outputs]
-        agreed = {"counts": [[mine[0]]]}  # a group of one: nothing to agree with
+        agreed: dict[str, Any] = {"counts": [[mine[0]]], "ahead": None}  # a group of one: nothing to agree with
 
         def check(ctx: PlanContext, call: Call) -> Optional[str]:
-            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine)
+            agreed["ahead"] = ahead = plans.SentAhead(ctx, inputs)
+            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine, then=ahead.send)
+            if problem is not None:
+                ahead.wait()  # every receiver drains what came ahead
             return problem
 
         if self.world_size == 1 and mine[0] != mine[1]:
             raise HetCCLInputError(f"group '{self.group_name}': alltoall sends {mine[0]} elements to rank 0 "
                                    f"but expects {mine[1]} from it")
-        def body(ctx: PlanContext) -> None:
-            largest = max(sum(row) for row in agreed["counts"]) * inputs[0].element_size()
-            if self.planner.plan_of("alltoall", largest, ctx.every_rank_on_host()) == planner.FLAT:
-                ctx.flat = self._flat
-            plans.alltoall(ctx, agreed["counts"], inputs, outputs)
-
-        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0], body, check=check, after=after)
+        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0],
+                  lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs, agreed["ahead"]), check=check,
+                  after=after)
 
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the

@@ -33,7 +33,7 @@ class Planner:
     topology: Topology
     small_bytes: dict[str, int] = field(default_factory=dict)
     flat: bool = False  # a flat library exists (the ``flat`` option, several islands)
-    flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.FLAT_OPS, math.inf))
+    flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.OPS, math.inf))
     link: Optional[costs.LinkCosts] = None
     flat_link: Optional[costs.LinkCosts] = None
 
@@ -92,7 +92,7 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     (what every rank saw, summed by ``allreduce``: one rank's view of a close race is noise)."""
     topology = planner.topology
     planner.flat = flat_broadcast is not None
-    planner.flat_from = dict.fromkeys(costs.FLAT_OPS, 0.0 if flat_mode == "on" else math.inf)
+    planner.flat_from = dict.fromkeys(costs.OPS, 0.0 if flat_mode == "on" else math.inf)
     if small_bytes is not None or topology.world_size == 1:
         planner.small_bytes = dict.fromkeys(costs.OPS, small_bytes or 0)
         return
@@ -120,7 +120,7 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
         # from the size where it was timed and gained: below it the model's crossover sent
         # 1-64 KiB all-to-all to Gloo at 0.3-0.5x of what the direct route does
         planner.flat_from = {op: float(probe_bytes) if gain > 0 else math.inf
-                             for op, gain in zip(costs.FLAT_OPS, gains.tolist())}
+                             for op, gain in zip(costs.OPS, gains.tolist())}
     taken = [op for op, size in planner.flat_from.items() if size < math.inf]
     planner.small_bytes = costs.thresholds(topology, planner.link, planner.flat_link, taken)
 
@@ -129,24 +129,24 @@ def _op_probe_bytes(flat_broadcast_s: float) -> int:
     """The size at which each op is timed by both plans: the largest probe size, smaller
     where the flat library is slow (a slow border) so that the timed calls take about
     ``OP_PROBE_BUDGET_S`` in all, never below the smallest probe size."""
-    calls = len(costs.FLAT_OPS) * (OP_PROBE_ROUNDS + 1) * 2
+    calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 2
     scale = OP_PROBE_BUDGET_S / max(calls * flat_broadcast_s, 1e-9)
     return int(min(max(max(PROBE_BYTES) * scale, min(PROBE_BYTES)), max(PROBE_BYTES)))
 
 
 def _flat_gains(planner: Planner, calls: dict[str, Callable[[], None]]) -> list[float]:
-    """For each op (costs.FLAT_OPS order), the seconds the flat plan's fastest of
+    """For each op (costs.OPS order), the seconds the flat plan's fastest of
     ``OP_PROBE_ROUNDS`` timed calls (after one untimed) saved against the hierarchical
     plan's, the two taken in turn."""
     small, planner.small_bytes = planner.small_bytes, {}
     flat_from = planner.flat_from
     try:
         out = []
-        for op in costs.FLAT_OPS:
+        for op in costs.OPS:
             best = {math.inf: math.inf, 0.0: math.inf}
             for warm in [True] + [False] * OP_PROBE_ROUNDS:  # a first call allocates: not timed
                 for plan_from in best:
-                    planner.flat_from = dict.fromkeys(costs.FLAT_OPS, plan_from)
+                    planner.flat_from = dict.fromkeys(costs.OPS, plan_from)
                     seconds = timed(calls[op], 1)[0]
                     best[plan_from] = best[plan_from] if warm else min(best[plan_from], seconds)
             out.append(best[math.inf] - best[0.0])

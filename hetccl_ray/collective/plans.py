@@ -26,9 +26,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hetccl_ray.collective import routes, schedule
-from hetccl_ray.buffers import copy, joined, overlap, view
-from hetccl_ray.collective.island import IslandComm, ranges
+from hetccl_ray.collective import routes, schedule, tree
+from hetccl_ray.buffers import copy, view
+from hetccl_ray.collective.calls import on_host
+from hetccl_ray.collective.island import IslandComm
 from hetccl_ray.collective.runner import PlanContext, execute, pipelined
 from hetccl_ray.transport.base import Border
 
@@ -83,27 +84,62 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
     execute(ctx, plan_for(ctx, "reduce", buf, root), buf, op)
 
 
+class SentAhead:
+    """An all-to-all's blocks from host memory, sent straight to their destinations while the
+    check round runs (tree.py): to a peer the round links this rank with right after the
+    round's message (each link delivers in order), to the others before the round. Every
+    receiver knows from the rows what came ahead: it lands after the verdict, or is drained."""
+
+    def __init__(self, ctx: PlanContext, inputs: Sequence[torch.Tensor]) -> None:
+        self.ctx, self.inputs, self.handles = ctx, inputs, []
+        linked = set(tree.linked(ctx.topo, ctx.rank))
+        for peer in range(ctx.topo.world_size):
+            if peer not in linked:
+                self.send(peer)
+
+    def send(self, peer: int) -> None:
+        """Post the block for ``peer`` (none from device memory, to itself, or when empty)."""
+        block = self.inputs[peer]
+        if self.ctx.device.host and peer != self.ctx.rank and block.numel():
+            self.handles.append(self.ctx.direct.isend(peer, block, self.ctx.tag))
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            self.ctx.wait(handle)
+
+
 def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
-             outputs: Sequence[torch.Tensor]) -> None:
+             outputs: Sequence[torch.Tensor], ahead: Optional[SentAhead] = None) -> None:
     """Send ``inputs[t]`` to rank t and receive ``outputs[r]`` from rank r (``counts[r][t]``
-    elements, agreed by every rank) along routes.py's routes: gathered inside the island by
-    destination lane, across once per island pair and lane, scattered inside; in pieces whose
-    border stage overlaps the island stages. Moves inside an island take the border's socket
-    for CPU tensors, one vendor all-to-all per stage for device tensors. A CPU all-to-all
-    in which no rank sends more than ``DIRECT_BYTES`` goes direct: every block straight, one hop
-    (decided from the agreed rows, so every rank routes alike in a group of mixed devices)."""
-    if ctx.flat is not None:
-        return _flat_alltoall(ctx, counts, inputs, outputs)
-    me, topo = ctx.rank, ctx.topo
+    elements, agreed by every rank). Blocks from host memory go straight, one hop (``ahead``:
+    already sent during the check; else sent now), each cross-island byte once; the rows say
+    which ranks' are (without rows none). Blocks from device memory go along routes.py's
+    routes: gathered inside the island by destination lane (one vendor all-to-all per stage),
+    across once per island pair and lane, scattered inside; in pieces whose border stage
+    overlaps the island stages."""
+    me = ctx.rank
     ctx.launch(copy, outputs[me], inputs[me])
+    host = {r for r, row in (ctx.rows or {}).items() if on_host(row)}
+    straight = [(t, inputs[t]) for t in range(ctx.topo.world_size) if t != me] if me in host and ahead is None else []
+    ctx.exchange(straight, [(r, outputs[r]) for r in sorted(host - {me})], border=ctx.direct)
+    if ahead is not None:
+        ahead.wait()
+    rest = [[0] * len(row) if r in host else list(row) for r, row in enumerate(counts)]
+    if any(map(any, rest)):
+        _routed(ctx, rest, inputs, outputs)
+
+
+def _routed(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
+            outputs: Sequence[torch.Tensor]) -> None:
+    """The blocks of ``counts`` along routes.py's routes. Moves inside an island take the
+    border's socket for CPU tensors, one vendor all-to-all per stage for device tensors."""
+    me, topo = ctx.rank, ctx.topo
     direct = ctx.direct is not None and ctx.device.host  # island moves: sockets, or the vendor's all-to-all
-    one_hop = (direct and ctx.every_rank_on_host()
-               and max(sum(row) for row in counts) * inputs[me].element_size() <= DIRECT_BYTES)
-    way = routes.route(topo, me, one_hop)
+    way = routes.route(topo, me)
     offsets, total = routes.staging(way.transit(), counts)
     like = inputs[me]
     staged = ctx.scratch.get("alltoall", total, like)
-    count = 1 if one_hop else ctx.pieces(routes.largest_crossing(topo, counts) * like.element_size())
+    count = ctx.pieces(routes.largest_crossing(topo, counts) * like.element_size())
 
     def holder(block: routes.Block) -> torch.Tensor:
         r, t = block
@@ -129,33 +165,6 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
                lambda q: inside(routes.SCATTER, q))
 
 
-def _flat_alltoall(ctx: PlanContext, counts: list[list[int]], inputs: Sequence[torch.Tensor],
-                   outputs: Sequence[torch.Tensor]) -> None:
-    """The flat library's all-to-all (host tensors): blocks in its rank order (island-major),
-    on the caller's buffers where they already are one buffer in that order, else copied."""
-    order, me, like = ctx.topo.island_major_order(), ctx.rank, inputs[ctx.rank]
-    sends, recvs = [counts[me][r] for r in order], [counts[r][me] for r in order]
-    send, recv = joined([inputs[r] for r in order]), joined([outputs[r] for r in order])
-    if send is None:
-        send = ctx.scratch.get("flat-send", sum(sends), like)
-        for r, span in zip(order, ranges(sends)):
-            copy(view(send, span), inputs[r])
-    staged = recv is None or overlap(recv, send)
-    if staged:
-        recv = ctx.scratch.get("flat-recv", sum(recvs), like)
-    size = like.element_size()  # as bytes: Gloo's all-to-all takes fewer dtypes than ours (bool, complex)
-    ctx.flat.alltoall(_bytes(recv), _bytes(send), [n * size for n in recvs], [n * size for n in sends])
-    if staged:
-        for r, span in zip(order, ranges(recvs)):
-            copy(outputs[r], view(recv, span))
-
-
-def _bytes(buf: torch.Tensor) -> torch.Tensor:
-    """A flat contiguous buffer's bytes (an empty one may have any stride)."""
-    return buf.view(torch.uint8) if buf.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-DIRECT_BYTES = 256 << 10  # 2x2 loopback, 1 KiB: the plan part 0.64-0.87 ms direct, 0.86-1.1 ms by lanes
 _PACK_BYTES = 256 << 10  # below this a peer's blocks go as one message: a message costs more than a copy
 
 

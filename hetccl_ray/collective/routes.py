@@ -54,14 +54,6 @@ def moves(topo: Topology) -> tuple[Move, ...]:
     return tuple(sorted(out))
 
 
-@functools.cache
-def flat_moves(topo: Topology) -> tuple[Move, ...]:
-    """Every block straight to its destination in one stage: for small all-to-alls, where a
-    hop costs more than aggregating messages saves (each cross-island byte still crosses once)."""
-    n = topo.world_size
-    return tuple(Move(GATHER, r, t, (r, t)) for r in range(n) for t in range(n) if r != t)
-
-
 @dataclass(frozen=True)
 class RankRoute:
     """One rank's part of the moves: what it sends and receives in each stage."""
@@ -75,9 +67,9 @@ class RankRoute:
 
 
 @functools.cache
-def route(topo: Topology, rank: int, flat: bool = False) -> RankRoute:
-    """The moves of ``rank``, by stage (``flat``: :func:`flat_moves`)."""
-    all_moves = flat_moves(topo) if flat else moves(topo)
+def route(topo: Topology, rank: int) -> RankRoute:
+    """The moves of ``rank``, by stage."""
+    all_moves = moves(topo)
     pick = {stage: [m for m in all_moves if m.stage == stage] for stage in (GATHER, ACROSS, SCATTER)}
     return RankRoute({s: tuple(m for m in ms if m.src == rank) for s, ms in pick.items()},
                      {s: tuple(m for m in ms if m.dst == rank) for s, ms in pick.items()})

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from hetccl_ray.collective import routes
-from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement
+from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement, on_host
+from hetccl_ray.collective.tensors import dtype_code
 from hetccl_ray.buffers import combine, copy, view
 from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
@@ -73,11 +74,23 @@ def _none(_: object = None, __: object = None) -> int:
     return 0
 
 
+def linked(topo, rank: int) -> list[int]:
+    """The peers ``rank`` sends a message of the round to: its leader, or a leader's members
+    and the other leaders."""
+    leader = topo.island_of(rank).ranks[0]
+    if rank != leader:
+        return [leader]
+    return list(topo.island_of(rank).ranks[1:]) + [island.ranks[0] for island in topo.islands
+                                                   if island.ranks[0] != rank]
+
+
 def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Shape],
-               rows: Optional[Rows] = None) -> Optional[str]:
+               rows: Optional[Rows] = None, then: Optional[Callable[[int], None]] = None) -> Optional[str]:
     """Run the three phases; None when every rank made ``call`` (then ``shape.finish`` has
-    written the results), else who called what (and no user buffer was touched). ``rows``:
-    this rank's row with extra ints after the call's, filled with every rank's as they arrive."""
+    written the results), else who called what (and no user buffer was touched; what peers
+    sent ahead is drained). ``rows``: this rank's row with extra ints after the call's,
+    filled with every rank's as they arrive. ``then(peer)`` runs right after this rank's
+    message to each :func:`linked` peer is posted (what follows it on that link)."""
     topo, isl, rank = ctx.topo, ctx.my_island, ctx.rank
     leader = isl.ranks[0]
     leaders = [island.ranks[0] for island in topo.islands]
@@ -101,14 +114,16 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
         return buf, border.irecv(peer, buf, tag, flexible=True)
 
     def send(peer: int, buf: Optional[torch.Tensor], extra: Rows):
-        return border.isend(peer, buf if buf is not None else empty, tag, extra=_pack(extra))
+        handle = border.isend(peer, buf if buf is not None else empty, tag, extra=_pack(extra))
+        if then is not None:
+            then(peer)
+        return handle
 
     if rank != leader:
         wait([send(leader, shape.send_up() if up(rank) else None, rows)])
         buf, handle = receive(leader, down(rank), "down")
         wait([handle])
-        problem = _verdict(rows, topo, spilled)
-        ctx.rows = rows
+        problem = _verdict(ctx, rows, spilled)
         if problem is None and shape:
             shape.land_down(buf)
             shape.finish()
@@ -127,8 +142,7 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
     wait(sends + [handle for _, handle in acrosses])
     if shape and not spilled:
         shape.land_across(list(zip(others, [buf for buf, _ in acrosses])))
-    problem = _verdict(rows, topo, spilled)
-    ctx.rows = rows
+    problem = _verdict(ctx, rows, spilled)
     agreed = problem is None and shape is not None
     wait([send(m, shape.send_down(m) if agreed and down(m) else None, rows) for m in members])
     if agreed:
@@ -136,14 +150,40 @@ def round_trip(ctx, call: Call, like: Optional[torch.Tensor], shape: Optional[Sh
     return problem
 
 
-def _verdict(rows: Rows, topo, spilled: bool) -> Optional[str]:
-    """Who called what when the ranks disagree; a size that differs although the calls agree
-    would be a bug in the plans, so it is an error too."""
+def _verdict(ctx, rows: Rows, spilled: bool) -> Optional[str]:
+    """Who called what when the ranks disagree (after draining what they sent ahead); a size
+    that differs although the calls agree would be a bug in the plans, so it is an error too."""
+    topo = ctx.topo
+    ctx.rows = rows
     problem = disagreement([Call.decode(rows[r][:ROW_WIDTH]) for r in range(topo.world_size)],
                            [island.ranks for island in topo.islands])
     if problem is None and spilled:
         raise HetCCLMismatchError("a message had another size than the agreed call implies")
+    if problem is not None:
+        drain(ctx, rows)
     return problem
+
+
+def sent_ahead(row: list[int], to: int) -> int:
+    """Elements a rank with ``row`` sent ``to`` ahead of the round: an all-to-all's block from
+    host memory goes straight to its destination while the round runs (plans.alltoall)."""
+    if Call.decode(row[:ROW_WIDTH]).op != "alltoall" or not on_host(row) or len(row) <= ROW_WIDTH + to:
+        return 0
+    return row[ROW_WIDTH + to]
+
+
+def drain(ctx, rows: Rows) -> None:
+    """Receive and drop what peers sent this rank ahead of a round that found a mismatch
+    (their rows say what), so that the next op finds each link at its own messages."""
+    handles = []
+    for peer, row in sorted(rows.items()):
+        count = sent_ahead(row, ctx.rank) if peer != ctx.rank else 0
+        if count:
+            call = Call.decode(row[:ROW_WIDTH])
+            into = ctx.scratch.get(("drain", peer), count, torch.empty(0, dtype=call.dtype))  # frames decode by dtype
+            handles.append(ctx.direct.irecv(peer, into, Tag(OP_CODES["alltoall"], call.seq, dtype_code(call.dtype))))
+    for handle in handles:
+        ctx.wait(handle)
 
 
 # -- the ops --------------------------------------------------------------------------------------
@@ -300,15 +340,20 @@ def check(ctx, call: Call) -> Optional[str]:
     return round_trip(ctx, call, None, None)
 
 
-def alltoall_counts(ctx, call: Call, mine: list[int]) -> tuple[Optional[str], list[list[int]]]:
+def alltoall_counts(ctx, call: Call, mine: list[int],
+                    then: Optional[Callable[[int], None]] = None) -> tuple[Optional[str], list[list[int]]]:
     """The all-to-all's check: the rows-only round with every rank's block sizes after its call
     row (``mine``: what it sends each rank, then what it expects from each), so they cost no
-    payload. Returns who disagrees (calls, or pairs whose sizes differ) and ``counts[r][t]``."""
+    payload. Returns who disagrees (calls, or pairs whose sizes differ) and ``counts[r][t]``;
+    ``then``: as :func:`round_trip`'s."""
     world = ctx.topo.world_size
     rows = {ctx.rank: call.encode() + list(mine)}
-    problem = round_trip(ctx, call, None, None, rows)
+    problem = round_trip(ctx, call, None, None, rows, then)
     if problem is not None:
         return problem, []
     extra = {rank: row[ROW_WIDTH:] for rank, row in rows.items()}
     counts = [extra[r][:world] for r in range(world)]
-    return routes.mismatched(counts, [extra[t][world:] for t in range(world)]), counts
+    problem = routes.mismatched(counts, [extra[t][world:] for t in range(world)])
+    if problem is not None:
+        drain(ctx, rows)
+    return problem, counts
