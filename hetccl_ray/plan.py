@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from hetccl_ray.collective import schedule
+from hetccl_ray.collective import rounds, schedule
 from hetccl_ray.topology import Topology
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
@@ -35,10 +35,14 @@ def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int =
     for p in plans:
         for peer, elements in sorted(p.sent(topo).items()):
             lines.append(f"  link rank {p.rank} -> rank {peer}: {elements * itemsize:,} B")
-    lines.append(f"small round (3 hops, call rows inside): border bytes {schedule.round_bytes(topo, op, size):,}")
+    small = [rounds.build(topo, r, op, n, root) for r in range(topo.world_size)]
+    lines.append(f"small round (3 hops, call rows inside): border bytes "
+                 f"{sum(r.sent(topo) for r in small) * itemsize:,}")
     if steps:
         for p in plans:
             lines += p.describe()
+        for r in small:
+            lines += r.describe()
     return lines
 
 

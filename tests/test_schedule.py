@@ -3,7 +3,7 @@ and the steps of every rank pair up (what one rank sends a peer, that peer recei
 
 import pytest
 
-from hetccl_ray.collective import schedule
+from hetccl_ray.collective import rounds, schedule
 from hetccl_ray.topology import Topology
 
 LAYOUTS = {
@@ -72,4 +72,50 @@ def test_explain_prints_the_bound_without_a_cluster(capsys):
     main(["--layout", "1,2,3", "--interleave", "--op", "reducescatter", "--size", "96", "--steps"])
     out = capsys.readouterr().out
     assert "3 island(s)" in out and "border bytes 192 = bound 192" in out
-    assert out.count("rank 5: reducescatter") == 1
+    assert "small round (3 hops, call rows inside): border bytes 192" in out
+    assert out.count("rank 5: reducescatter of") == out.count("rank 5: reducescatter round") == 1
+
+
+# -- the small round as data (rounds.py) -----------------------------------------------------------
+
+def _rounds(topo: Topology, op: str, n: int, root: int) -> list:
+    return [rounds.build(topo, r, op, n, root) for r in range(topo.world_size)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", rounds.OPS)
+@pytest.mark.parametrize("chunk", [0, 1, 7])
+def test_round_bytes_and_messages(layout, op, chunk):
+    """Border bytes equal what the round promises; in each phase rank a's message to b is one b
+    receives from a, of the same length; every op has the rows-only round's messages (a rank
+    that called another op still meets its peers); every span lies inside its buffer."""
+    topo = Topology.from_islands(LAYOUTS[layout])
+    n = _count(topo, op, chunk)
+    check = _rounds(topo, "check", 0, 0)
+    for root in (range(topo.world_size) if op in schedule.ROOTED else [0]):
+        built = _rounds(topo, op, n, root)
+        assert sum(r.sent(topo) for r in built) * 4 == schedule.round_bytes(topo, op, n * 4), (op, root)
+        for phase in range(3):
+            sent = {(r.rank, peer): ref[2] if ref else 0 for r in built for peer, ref in r.phases[phase].sends}
+            received = {(peer, r.rank): size for r in built for peer, size in r.phases[phase].recvs}
+            assert sent == received, (op, root, phase)
+            assert ({(r.rank, peer) for r in check for peer, _ in r.phases[phase].sends} == set(sent))
+        for r in built:
+            sizes = {"buf": n, "out": n // topo.world_size, **dict(r.scratch)}
+            sizes.update({rounds.slot(name, peer): size for name, phase in zip(rounds.PHASES, r.phases)
+                          for peer, size in phase.recvs})
+            refs = [ref for phase in r.phases for _, ref in phase.sends if ref]
+            refs += [ref for phase in r.phases for land in phase.lands for ref in (land.out, *land.parts)]
+            refs += [ref for land in r.finish for ref in (land.out, *land.parts)]
+            assert all(0 <= offset and offset + length <= sizes[name] for name, offset, length in refs), r
+
+
+def test_round_cached_and_printable():
+    topo = Topology.from_islands(LAYOUTS["2x2"])
+    built = rounds.build(topo, 2, "allreduce", 8)
+    assert built is rounds.build(topo, 2, "allreduce", 8)
+    assert "\n".join(built.describe()) == ("rank 2: allreduce round\n  up: send [] recv [r3->8]\n"
+                                           "  across: send [partial[0:8]->r0] recv [r0->8]\n"
+                                           "  down: send [total[0:8]->r3] recv []")
+    with pytest.raises(ValueError, match="no round for 'gather'"):
+        rounds.build(topo, 0, "gather")

@@ -70,7 +70,7 @@ def test_allreduce(layout, n, dtype, op):
 
     def body(ctx, seq):
         x = torch.tensor(inputs[ctx.rank], dtype=dtype)
-        problem = tree.allreduce(ctx, Call("allreduce", dtype, n, reduce=op, seq=seq), x, op)
+        problem = tree.small(ctx, Call("allreduce", dtype, n, reduce=op, seq=seq), x)
         return problem, x.to(torch.float64).numpy()
 
     results, sent, topo = _run(layout, body)
@@ -90,9 +90,8 @@ def test_broadcast_and_reduce_from_every_root(layout, n):
         def body(ctx, seq):
             b = torch.tensor(inputs[ctx.rank])
             r = torch.tensor(inputs[ctx.rank])
-            p1 = tree.broadcast(ctx, Call("broadcast", torch.float64, n, root=root, seq=seq), b, root)
-            p2 = tree.reduce(ctx, Call("reduce", torch.float64, n, root=root, reduce="sum", seq=seq + 10 ** 6),
-                             r, root, "sum")
+            p1 = tree.small(ctx, Call("broadcast", torch.float64, n, root=root, seq=seq), b)
+            p2 = tree.small(ctx, Call("reduce", torch.float64, n, root=root, reduce="sum", seq=seq + 10 ** 6), r)
             return p1, p2, b.numpy(), r.numpy()
 
         results, sent, topo = _run(layout, body)
@@ -114,11 +113,11 @@ def test_allgather_and_reducescatter(layout, n):
         gathered = torch.zeros(world * n)
         slot = order.index(ctx.rank)
         gathered[slot * n:(slot + 1) * n] = torch.tensor(chunks[ctx.rank][0])
-        p1 = tree.allgather(ctx, Call("allgather", torch.float32, n, seq=seq), gathered)
+        p1 = tree.small(ctx, Call("allgather", torch.float32, n, seq=seq), gathered)
         scatter_in = torch.cat([torch.tensor(chunks[ctx.rank][rank]) for rank in order])
         out = torch.zeros(n)
-        p2 = tree.reducescatter(ctx, Call("reducescatter", torch.float32, n, reduce="sum", seq=seq + 10 ** 6),
-                                scatter_in, out, "sum")
+        p2 = tree.small(ctx, Call("reducescatter", torch.float32, n, reduce="sum", seq=seq + 10 ** 6),
+                        scatter_in, out)
         by_rank = gathered.view(world, n)[[order.index(r) for r in range(world)]] if n else gathered.view(world, 0)
         return p1, p2, by_rank.numpy(), out.numpy()
 
@@ -137,10 +136,10 @@ def test_a_mismatch_is_named_on_every_rank_and_touches_no_buffer(layout):
     def body(ctx, seq):
         n = 12 if ctx.rank == odd else 10  # the odd rank calls with another count
         x = torch.full((n,), float(ctx.rank))
-        problem = tree.allreduce(ctx, Call("allreduce", torch.float32, n, reduce="sum", seq=seq), x, "sum")
+        problem = tree.small(ctx, Call("allreduce", torch.float32, n, reduce="sum", seq=seq), x)
         untouched = bool((x == ctx.rank).all())
         y = torch.ones(4)  # the next call on the same sockets still works
-        after = tree.allreduce(ctx, Call("allreduce", torch.float32, 4, reduce="sum", seq=seq + 10 ** 6), y, "sum")
+        after = tree.small(ctx, Call("allreduce", torch.float32, 4, reduce="sum", seq=seq + 10 ** 6), y)
         return problem, untouched, after, y.tolist()
 
     results, _, _ = _run(layout, body)

@@ -24,7 +24,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
 from hetccl_ray import devices
-from hetccl_ray.collective import plans, planner, tree
+from hetccl_ray.collective import plans, planner, rounds, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import OP_CODES, Call
 from hetccl_ray.collective.checks import ArgumentChecks
@@ -210,7 +210,7 @@ class HetCCLGroup(BaseGroup):
     # -- the one wrapper every op goes through ---------------------------------------------------
 
     def _run(self, call: Call, tensor: Optional[torch.Tensor], body: Optional[Callable[[PlanContext], Any]],
-             small: Optional[Callable[..., Optional[str]]] = None, peer: Optional[int] = None,
+             peer: Optional[int] = None,
              check: Optional[Callable[[PlanContext, Call], Optional[str]]] = None,
              staged: Sequence[torch.Tensor] = (), before: Optional[Callable[[], None]] = None,
              after: Optional[Callable[[], None]] = None) -> None:
@@ -220,8 +220,8 @@ class HetCCLGroup(BaseGroup):
         group's measured thresholds and topology), never from the local tensor's device, so a
         group of GPU and CPU islands always takes one plan:
 
-        - a collective up to the small-message threshold runs ``small(ctx, call, *staged)``
-          (one round of tree.py, whose messages also carry every rank's call); device
+        - a collective up to the small-message threshold runs its round over ``staged``
+          (rounds.py's data run by tree.py, whose messages also carry every rank's call); device
           buffers in ``staged`` go through host memory for it;
         - a group of one island runs the vendor op (``body``; on the stream for device
           tensors) with no host round, except host collectives small enough for the round
@@ -260,7 +260,7 @@ class HetCCLGroup(BaseGroup):
                                     self.options.piece_bytes, self.border.default, device, stream)
             try:
                 with device.using(stream):
-                    problem = self._dispatch(ctx, call, seq, body, small, peer, check, staged, before, after)
+                    problem = self._dispatch(ctx, call, seq, body, peer, check, staged, before, after)
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
@@ -278,12 +278,13 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
                                     f"({self._broken}); destroy and re-create it") from self._broken
 
-    def _dispatch(self, ctx: PlanContext, call: Call, seq: int, body: Optional[Callable], small: Optional[Callable],
+    def _dispatch(self, ctx: PlanContext, call: Call, seq: int, body: Optional[Callable],
                   peer: Optional[int], check: Optional[Callable], staged: Sequence[torch.Tensor],
                   before: Optional[Callable], after: Optional[Callable]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
         problem = None
-        by_round = small is not None and self.plan_of(call.op, self._whole_bytes(call)) == planner.ROUND
+        small = call.op in rounds.OPS  # a collective the round and the flat plan can run
+        by_round = small and self.plan_of(call.op, self._whole_bytes(call)) == planner.ROUND
         if before is not None:
             ctx.launch(before)
         if peer is not None or self.world_size == 1:
@@ -293,13 +294,12 @@ class HetCCLGroup(BaseGroup):
             if call.numel:
                 body(ctx)
         elif by_round:
-            problem = self._staged(ctx, small, replace(call, seq=seq), staged)
+            problem = self._staged(ctx, replace(call, seq=seq), staged)
         else:
             if check is not None or self.options.check_calls or body is None:
                 problem = (check or tree.check)(ctx, replace(call, seq=seq))
             if problem is None and body is not None and call.numel:
-                if small is not None and self.plan_of(call.op, self._whole_bytes(call),
-                                                      ctx.every_rank_on_host()) == planner.FLAT:
+                if small and self.plan_of(call.op, self._whole_bytes(call), ctx.every_rank_on_host()) == planner.FLAT:
                     ctx.flat = self._flat
                 body(ctx)
         if problem is None and after is not None:
@@ -320,18 +320,18 @@ class HetCCLGroup(BaseGroup):
             self._streams[device] = device.new_stream()
         return self._streams[device]
 
-    def _staged(self, ctx: PlanContext, small: Callable[..., Optional[str]], call: Call,
+    def _staged(self, ctx: PlanContext, call: Call,
                 staged: Sequence[torch.Tensor]) -> Optional[str]:
         """The small round on host copies of device buffers (as is for host ones): wait for the
         stream, copy down, run the round, launch the copies back up."""
         if ctx.device.host:
-            return small(ctx, call, *staged)
+            return tree.small(ctx, call, *staged)
         ctx.host_wait()
         hosts = [self._scratch.host(("staged", i), t, ctx.device) for i, t in enumerate(staged)]
         with ctx.device.using(ctx.stream):
             for host, t in zip(hosts, staged):
                 host.copy_(t)
-        problem = small(ctx, call, *hosts)
+        problem = tree.small(ctx, call, *hosts)
         if problem is None:
             for host, t in zip(hosts, staged):
                 ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)
@@ -365,8 +365,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self.args.one(tensor, "allreduce"))
         op = self.args.reduce_op(allreduce_options)
         self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat,
-                  lambda ctx: plans.allreduce(ctx, x.flat, op), lambda ctx, c, buf: tree.allreduce(ctx, c, buf, op),
-                  staged=[x.flat], after=x.write_back)
+                  lambda ctx: plans.allreduce(ctx, x.flat, op), staged=[x.flat], after=x.write_back)
 
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
         self._run(Call("barrier", torch.uint8, 0), None, None)
@@ -378,16 +377,15 @@ class HetCCLGroup(BaseGroup):
         op = self.args.reduce_op(reduce_options)
         work = x.flat if self.rank == root else self._scratch.get("reduce", x.numel, x.flat)  # others keep theirs
         self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat,
-                  lambda ctx: plans.reduce(ctx, work, root, op), lambda ctx, c, buf: tree.reduce(ctx, c, buf, root, op),
-                  staged=[work], before=None if work is x.flat else lambda: copy(work, x.flat),
+                  lambda ctx: plans.reduce(ctx, work, root, op), staged=[work],
+                  before=None if work is x.flat else lambda: copy(work, x.flat),
                   after=x.write_back if self.rank == root else None)
 
     def broadcast(self, tensor: Any, broadcast_options: Any = _pinned(BroadcastOptions, root_rank=0)) -> None:
         x = Operand(self.args.one(tensor, "broadcast"), moving=True)
         root = self.args.rank(broadcast_options.root_rank, "broadcast root")
         self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat,
-                  lambda ctx: plans.broadcast(ctx, x.flat, root), lambda ctx, c, buf: tree.broadcast(ctx, c, buf, root),
-                  staged=[x.flat], after=x.write_back)
+                  lambda ctx: plans.broadcast(ctx, x.flat, root), staged=[x.flat], after=x.write_back)
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
         x = Operand(self.args.one(tensor, "allgather input"), moving=True)
@@ -402,8 +400,7 @@ class HetCCLGroup(BaseGroup):
                 copy(outputs[rank].flat, buf[slot * n:(slot + 1) * n])
                 outputs[rank].write_back()
 
-        self._run(Call("allgather", x.flat.dtype, n), x.flat, lambda ctx: plans.allgather(ctx, buf),
-                  lambda ctx, c, staged: tree.allgather(ctx, c, staged), staged=[buf],
+        self._run(Call("allgather", x.flat.dtype, n), x.flat, lambda ctx: plans.allgather(ctx, buf), staged=[buf],
                   before=lambda: copy(buf[mine * n:(mine + 1) * n], x.flat), after=spread)
 
     def reducescatter(self, tensor: Any, tensor_list: Any,
@@ -423,8 +420,7 @@ class HetCCLGroup(BaseGroup):
             mine = plans.reducescatter(ctx, buf, op)
             ctx.launch(copy, out.flat, mine)
 
-        self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat, body,
-                  lambda ctx, c, staged, into: tree.reducescatter(ctx, c, staged, into, op), staged=[buf, out.flat],
+        self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat, body, staged=[buf, out.flat],
                   before=lay_out, after=out.write_back)
 
     # -- beyond Ray's BaseGroup: all-to-all, gather, scatter ---------------------------------------

@@ -1,0 +1,218 @@
+"""The small-message round as data: each rank's messages and landings in three phases.
+
+Below the group's size threshold a collective costs three message hops instead of the
+hierarchical plans' island and border stages: every rank sends to its island's leader (its
+lowest rank), the leaders exchange once over the border, the leaders send results back.
+Every message also carries the callers' call rows, so the round is the call check too
+(tree.py runs it). Here each op's round is built as data, once per call pattern: per phase
+the sends (a span of a named buffer, or rows only) and receives (into a slot per peer), the
+landings after it (copy, or fold in a fixed order so every rank computes bit-identical
+results), and the landings into the op's own buffers once every rank agreed.
+
+Named buffers: ``buf`` (the op's flat buffer: for allgather/reducescatter the island-major
+buffer of one chunk per rank), ``out`` (reducescatter's chunk), scratch ``partial`` and
+``total``, and ``up:<peer>``, ``across:<peer>``, ``down:<peer>`` for what arrives. Pure:
+no torch, no Ray.
+
+Border bytes (all ranks together; S the buffer, k islands): allgather, reducescatter,
+broadcast, reduce (k-1)S; allreduce k(k-1)S (each island's partial to every other leader).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+from hetccl_ray.topology import Topology
+
+Ref = tuple[str, int, int]  # (buffer name, offset, elements)
+PHASES = ("up", "across", "down")
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")  # and "check": rows only
+
+
+@dataclass(frozen=True)
+class Land:
+    """``out`` = ``parts`` folded with the reduce op in the order given (``fold``), or a copy
+    of ``parts[0]``."""
+
+    out: Ref
+    parts: tuple[Ref, ...]
+    fold: bool = False
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What this rank sends (a span, or None: rows only) and receives (elements expected) in
+    one phase, then lands."""
+
+    sends: tuple[tuple[int, Optional[Ref]], ...] = ()
+    recvs: tuple[tuple[int, int], ...] = ()
+    lands: tuple[Land, ...] = ()
+
+
+@dataclass(frozen=True)
+class Round:
+    """One rank's round of ``op``: three phases, then ``finish`` (the landings into ``buf`` and
+    ``out``, made only when every rank agreed); ``scratch``: elements of each scratch buffer."""
+
+    op: str
+    rank: int
+    phases: tuple[Phase, Phase, Phase]
+    finish: tuple[Land, ...] = ()
+    scratch: tuple[tuple[str, int], ...] = ()
+
+    def sent(self, topo: Topology) -> int:
+        """Elements this rank sends to other islands."""
+        mine = topo.island_of(self.rank)
+        return sum(ref[2] for phase in self.phases for peer, ref in phase.sends
+                   if ref is not None and topo.island_of(peer) != mine)
+
+    def describe(self) -> list[str]:
+        lines = [f"rank {self.rank}: {self.op} round"]
+        for name, phase in zip(PHASES, self.phases):
+            if phase.sends or phase.recvs:
+                out = ", ".join(f"{_ref(ref)}->r{peer}" for peer, ref in phase.sends)
+                into = ", ".join(f"r{peer}->{n if n else 'rows'}" for peer, n in phase.recvs)
+                lines.append(f"  {name}: send [{out}] recv [{into}]")
+        return lines
+
+
+def _ref(ref: Optional[Ref]) -> str:
+    return "rows" if ref is None else f"{ref[0]}[{ref[1]}:{ref[1] + ref[2]}]"
+
+
+def slot(phase: str, peer: int) -> str:
+    """The buffer a phase's message from ``peer`` lands in."""
+    return f"{phase}:{peer}"
+
+
+def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0) -> Round:
+    """Rank ``rank``'s round of ``op`` over ``n`` elements (allgather/reducescatter: the whole
+    island-major buffer); ``check`` moves rows only. Cached per call pattern."""
+    if op not in OPS and op != "check":
+        raise ValueError(f"no round for {op!r}; ops: {', '.join(OPS)}")
+    return _build(topo, rank, op, n, root if op in ("broadcast", "reduce") else 0)
+
+
+@functools.lru_cache(maxsize=512)
+def _build(topo: Topology, rank: int, op: str, n: int, root: int) -> Round:
+    return getattr(_Builder(topo, rank, n, root), op)()
+
+
+def _whole(name: str, n: int) -> Ref:
+    return (name, 0, n)
+
+
+class _Builder:
+    """This rank's island, leader, members and the other leaders; each op a method."""
+
+    def __init__(self, topo: Topology, rank: int, n: int, root: int) -> None:
+        self.topo, self.rank, self.n, self.root = topo, rank, n, root
+        isl = topo.island_of(rank)
+        self.leader, self.members, self.me = isl.ranks[0], isl.ranks[1:], isl.index
+        self.leaders = [island.ranks[0] for island in topo.islands]
+        self.others = [j for j in range(len(self.leaders)) if j != self.me]
+        self.home = topo.island_of(root).index
+        self.chunk = n // topo.world_size
+        self.slot = {r: i for i, r in enumerate(topo.island_major_order())}
+
+    def round(self, op: str, up: Optional[Ref], up_n: dict[int, int], across: dict[int, Optional[Ref]],
+              across_n: dict[int, int], down: dict[int, Optional[Ref]], down_n: int,
+              lands: tuple[tuple[Land, ...], tuple[Land, ...]] = ((), ()), finish: tuple[Land, ...] = (),
+              scratch: tuple[tuple[str, int], ...] = ()) -> Round:
+        """The round's messages from what a member sends up (``up``) and gets down (``down_n``),
+        and what a leader gets up (``up_n`` per member), swaps (``across``/``across_n`` per
+        island index) and sends down (``down`` per member)."""
+        if self.rank != self.leader:
+            phases = (Phase(((self.leader, up),)), Phase(), Phase(recvs=((self.leader, down_n),)))
+            return Round(op, self.rank, phases, finish, scratch)
+        phases = (Phase(recvs=tuple((m, up_n.get(m, 0)) for m in self.members), lands=lands[0]),
+                  Phase(tuple((self.leaders[j], across.get(j)) for j in self.others),
+                        tuple((self.leaders[j], across_n.get(j, 0)) for j in self.others), lands[1]),
+                  Phase(tuple((m, down.get(m)) for m in self.members)))
+        return Round(op, self.rank, phases, finish, scratch)
+
+    def _ordered(self, own: Ref) -> tuple[Ref, ...]:
+        """The islands' partials in island order, this island's being ``own``."""
+        return tuple(own if j == self.me else (slot("across", self.leaders[j]), 0, own[2])
+                     for j in range(len(self.leaders)))
+
+    def _island_partial(self, n: int) -> Land:
+        """The leader's own buffer folded with its members' (local rank order) into ``partial``."""
+        return Land(_whole("partial", n), (_whole("buf", n), *(_whole(slot("up", m), n) for m in self.members)),
+                    fold=True)
+
+    def _result(self, into: Ref, held: Ref) -> Land:
+        """Into ``into``: the leader's ``held``, or (a member) what came down."""
+        return Land(into, (held if self.rank == self.leader else (slot("down", self.leader), 0, into[2]),))
+
+    def check(self) -> Round:
+        return self.round("check", None, {}, {}, {}, {}, 0)
+
+    def allreduce(self) -> Round:
+        """Members send up, leaders swap island partials, leaders send the total down."""
+        n = self.n
+        total = _whole("total", n)
+        others = dict.fromkeys(self.others, _whole("partial", n))
+        return self.round("allreduce", _whole("buf", n), dict.fromkeys(self.members, n), others,
+                          dict.fromkeys(self.others, n), dict.fromkeys(self.members, total), n,
+                          ((self._island_partial(n),), (Land(total, self._ordered(_whole("partial", n)), True),)),
+                          (self._result(_whole("buf", n), total),), (("partial", n), ("total", n)))
+
+    def reduce(self) -> Round:
+        """Like allreduce, but partials go only to the root island's leader, the total to root."""
+        n = self.n
+        home = self.me == self.home
+        total = _whole("total", n)
+        finish = (self._result(_whole("buf", n), total),) if self.rank == self.root else ()
+        return self.round("reduce", _whole("buf", n), dict.fromkeys(self.members, n),
+                          {} if home else {self.home: _whole("partial", n)},
+                          dict.fromkeys(self.others, n) if home else {},
+                          {self.root: total} if self.root in self.members else {}, n if self.rank == self.root else 0,
+                          ((self._island_partial(n),),
+                           (Land(total, self._ordered(_whole("partial", n)), True),) if home else ()),
+                          finish, (("partial", n), ("total", n)))
+
+    def broadcast(self) -> Round:
+        """Root to its leader, that leader to the others, each leader to its members."""
+        n = self.n
+        home = self.me == self.home
+        held = _whole("total", n)
+        first = (Land(held, (_whole(slot("up", self.root), n) if self.root in self.members else _whole("buf", n),)),)
+        came = Land(held, (_whole(slot("across", self.leaders[self.home]), n),))
+        finish = (self._result(_whole("buf", n), held),) if self.rank != self.root else ()
+        return self.round("broadcast", _whole("buf", n) if self.rank == self.root else None,
+                          {self.root: n} if self.root in self.members else {},
+                          dict.fromkeys(self.others, held) if home else {}, {} if home else {self.home: n},
+                          dict.fromkeys(self.members, held), n,
+                          (first, ()) if home else ((), (came,)), finish, (("total", n),))
+
+    def allgather(self) -> Round:
+        """Chunks up, island regions across, the whole buffer down (``buf``: own chunk filled)."""
+        n, c = self.n, self.chunk
+        regions = self.topo.regions(c)
+        total = _whole("total", n)
+        mine = ("buf", self.slot[self.rank] * c, c)
+        gathered = (Land(total, (_whole("buf", n),)),
+                    *(Land(("total", self.slot[m] * c, c), (_whole(slot("up", m), c),)) for m in self.members))
+        placed = tuple(Land(("total", *regions[j]), (_whole(slot("across", self.leaders[j]), regions[j][1]),))
+                       for j in self.others)
+        return self.round("allgather", mine, dict.fromkeys(self.members, c),
+                          dict.fromkeys(self.others, ("total", *regions[self.me])),
+                          {j: regions[j][1] for j in self.others}, dict.fromkeys(self.members, total), n,
+                          (gathered, placed), (self._result(_whole("buf", n), total),), (("total", n),))
+
+    def reducescatter(self) -> Round:
+        """Whole buffers up, each island's region of the partials to that island's leader, each
+        member's chunk down into ``out``."""
+        n, c = self.n, self.chunk
+        regions = self.topo.regions(c)
+        own = regions[self.me][1]
+        down = {m: ("total", (self.slot[m] - self.slot[self.rank]) * c, c) for m in self.members}
+        return self.round("reducescatter", _whole("buf", n), dict.fromkeys(self.members, n),
+                          {j: ("partial", *regions[j]) for j in self.others}, dict.fromkeys(self.others, own),
+                          down, c,
+                          ((self._island_partial(n),),
+                           (Land(_whole("total", own), self._ordered(("partial", *regions[self.me])), True),)),
+                          (self._result(_whole("out", c), ("total", 0, c)),), (("partial", n), ("total", own)))
