@@ -83,9 +83,9 @@ def run(ctx, call: Call, plan: rounds.Round, buffers: dict[str, torch.Tensor], o
         for peer, n in phase.recvs:
             into = held[rounds.slot(name, peer)] = ctx.scratch.get(("round", name, peer), n, like) if n else like[:0]
             receives.append(border.irecv(peer, into, tag, flexible=True))
-        sends = []
+        sends, extra = [], _pack(rows)  # the rows known so far, packed once for the phase's messages
         for peer, at in phase.sends:
-            sends.append(border.isend(peer, ref(at) if at is not None and moving else like[:0], tag, extra=_pack(rows)))
+            sends.append(border.isend(peer, ref(at) if at is not None and moving else like[:0], tag, extra=extra))
             if then is not None:
                 then(peer)
         for handle in sends + receives:
