@@ -29,7 +29,6 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
-from hetccl_ray.collective import costs
 from hetccl_ray.benchdata import DATA, rank_data
 from hetccl_ray.compress.policy import MODES as COMPRESS_MODES
 from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, place_workers
@@ -70,7 +69,8 @@ class Coll:
     data ``x`` of ``count`` (``chunk`` = count / world); ``call(group, x, out)`` one call;
     ``got(x, out, world)`` the tensors to check; ``want(inputs, rank)`` their values from every
     rank's input (and ``reduces``: rank 0 only for reduce). ``ring``: per ring hop, the share
-    of S it carries and whether the ring wraps around (None: flat, it crosses once)."""
+    of S it carries and whether the ring wraps around (None: flat, it crosses once).
+    ``plan``: the one plan the op always takes (else the group's planner says, per size)."""
 
     name: str
     bus: Callable[[int], float]
@@ -84,6 +84,7 @@ class Coll:
     chunked: bool = False
     reduces: bool = False
     rooted: bool = False
+    plan: str = ""
 
 
 def _islands_bound(factor: int) -> Callable[[Topology, int], int]:
@@ -155,12 +156,12 @@ COLLS = {c.name: c for c in (
          reduces=True, rooted=True),
     Coll("sendrecv", lambda n: 1.0, lambda x, w: (x, torch.empty_like(x)), _sendrecv_call, lambda x, out, w: [out],
          lambda inputs, w, r: _moved([inputs[(r - 1) % w]]), (lambda n: 1.0, True), _ring_crossings,
-         "S per ring hop that crosses islands"),
+         "S per ring hop that crosses islands", plan="p2p"),
     Coll("alltoall", lambda n: (n - 1) / n, lambda x, w: (x, torch.zeros_like(x)), _alltoall_call,
          lambda x, out, w: list(out.chunk(w)),
          lambda inputs, w, r: _moved([x.chunk(w)[r] for x in inputs]), None,
          lambda topo, nbytes: nbytes // topo.world_size * len(_cross_pairs(topo)),
-         "S/n per ordered pair of ranks in different islands (S per rank)", chunked=True),
+         "S/n per ordered pair of ranks in different islands (S per rank)", chunked=True, plan="direct"),
 )}
 OPS = tuple(COLLS)
 
@@ -346,9 +347,8 @@ def lane_transports(group: str, rank: int) -> tuple[list[str], list[str]]:
 
 def plan_taken(group: str, op: str, nbytes: int) -> str:
     """In one actor: the plan a call of ``op`` on ``nbytes`` takes in this group (the group's
-    agreed choice, the same on every rank): round, plan, flat; direct (all-to-all) or p2p."""
-    formed = hetccl_ray.get_group(group)
-    return formed.plan_of(op, nbytes) if op in costs.OPS else ("direct" if op == "alltoall" else "p2p")
+    agreed choice, the same on every rank): round, plan or flat, or the op's one plan."""
+    return COLLS[op].plan or hetccl_ray.get_group(group).plan_of(op, nbytes)
 
 
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,

@@ -18,6 +18,7 @@ from hetccl_ray.devices import KINDS
 
 from hetccl_ray.buffers import REDUCE_OPS
 from hetccl_ray.collective.tensors import SUPPORTED_DTYPES, dtype_code
+from hetccl_ray.transport.base import Tag
 
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "barrier", "send", "check", "alltoall",
        "gather", "scatter")
@@ -42,6 +43,10 @@ class Call:
     def encode(self) -> list[int]:
         reduce = REDUCE_OPS.index(self.reduce) + 1 if self.reduce else 0
         return [OP_CODES[self.op], self.seq, dtype_code(self.dtype), self.numel, self.root, reduce, self.device]
+
+    def tag(self) -> Tag:
+        """The tag of this call's border messages (checked on receipt)."""
+        return Tag(OP_CODES[self.op], self.seq, dtype_code(self.dtype))
 
     @classmethod
     def decode(cls, row: Sequence[int]) -> "Call":

@@ -26,7 +26,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
 from hetccl_ray import devices
 from hetccl_ray.collective import plans, planner, rounds, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
-from hetccl_ray.collective.calls import OP_CODES, Call
+from hetccl_ray.collective.calls import Call
 from hetccl_ray.collective.checks import ArgumentChecks
 from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
@@ -35,11 +35,10 @@ from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
 from hetccl_ray.buffers import copy
 from hetccl_ray.collective.rendezvous import StoreRendezvous, delete, get_raw, members_key, options_key
-from hetccl_ray.collective.tensors import Operand, dtype_code, same_kind
+from hetccl_ray.collective.tensors import Operand, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError)
 from hetccl_ray.transport import verbs
-from hetccl_ray.transport.base import Tag
 from hetccl_ray.transport.choice import Choice
 
 logger = logging.getLogger(__name__)
@@ -248,6 +247,7 @@ class HetCCLGroup(BaseGroup):
                 self._progress.start(seq)
             else:
                 seq = self._next_p2p_seq(call.op, peer)
+            call = replace(call, seq=seq)
             where = f"{call.op} #{seq} in group '{self.group_name}' on rank {self.rank}"
             before_bytes = self.border.bytes_sent
             caller, stream = device.current_stream(), self._stream_of(device)
@@ -255,12 +255,12 @@ class HetCCLGroup(BaseGroup):
                 stream.wait(caller.record())
             ctx = PlanContext(self.topology, self.rank,
                                     plans.LazyIsland(lambda: self._island_for(device)), self.border,
-                                    Tag(OP_CODES[call.op], seq, dtype_code(call.dtype)),
+                                    call.tag(),
                                     time.monotonic() + self.options.timeout_s, self._scratch, self._pipeline,
                                     self.options.piece_bytes, self.border.default, device, stream)
             try:
                 with device.using(stream):
-                    problem = self._dispatch(ctx, call, seq, body, peer, check, staged, before, after)
+                    problem = self._dispatch(ctx, call, body, peer, check, staged, before, after)
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
@@ -278,7 +278,7 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
                                     f"({self._broken}); destroy and re-create it") from self._broken
 
-    def _dispatch(self, ctx: PlanContext, call: Call, seq: int, body: Optional[Callable],
+    def _dispatch(self, ctx: PlanContext, call: Call, body: Optional[Callable],
                   peer: Optional[int], check: Optional[Callable], staged: Sequence[torch.Tensor],
                   before: Optional[Callable], after: Optional[Callable]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
@@ -294,10 +294,10 @@ class HetCCLGroup(BaseGroup):
             if call.numel:
                 body(ctx)
         elif by_round:
-            problem = self._staged(ctx, replace(call, seq=seq), staged)
+            problem = self._staged(ctx, call, staged)
         else:
             if check is not None or self.options.check_calls or body is None:
-                problem = (check or tree.check)(ctx, replace(call, seq=seq))
+                problem = (check or tree.check)(ctx, call)
             if problem is None and body is not None and call.numel:
                 if small and self.plan_of(call.op, self._whole_bytes(call), ctx.every_rank_on_host()) == planner.FLAT:
                     ctx.flat = self._flat
@@ -492,8 +492,7 @@ class HetCCLGroup(BaseGroup):
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
             raise HetCCLInputError(f"group '{self.group_name}': recv from any source takes CPU tensors over the "
                                    f"TCP border; here {why}; pass the source rank")
-        code = OP_CODES["send"]
-        expected = {peer: Tag(code, self._p2p_seq["recv", peer] + 1, dtype_code(x.flat.dtype))
+        expected = {peer: Call("recv", x.flat.dtype, x.numel, seq=self._p2p_seq["recv", peer] + 1).tag()
                     for peer in range(self.world_size) if peer != self.rank}
         try:
             source = self.border.default.first_arrival(expected, self.options.timeout_s)
@@ -538,7 +537,7 @@ class HetCCLGroup(BaseGroup):
             self._raise_if_broken()
             seq = self._next_p2p_seq(op, peer, tag)
             where = f"{op} #{seq & 0xFFFFFFFF} (tag {tag}) in group '{self.group_name}' on rank {self.rank}"
-            mark = Tag(OP_CODES[op], seq, dtype_code(x.flat.dtype))
+            mark = Call(op, x.flat.dtype, x.numel, seq=seq).tag()
             handle = self.border.isend(peer, x.flat, mark) if op == "send" else self.border.irecv(peer, x.flat, mark)
         deadline = time.monotonic() + self.options.timeout_s
 

@@ -117,8 +117,8 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
         gains = torch.tensor(_flat_gains(planner, probe_calls(probe_bytes)), dtype=torch.float64)
         allreduce(gains)
         synchronize(gains)
-        # from the size where it was timed and gained: below it the model's crossover sent
-        # 1-64 KiB all-to-all to Gloo at 0.3-0.5x of what the direct route does
+        # from the size where it was timed and gained, not from the model's crossover: at
+        # smaller sizes the model's line is extrapolated, and has picked it where it lost
         planner.flat_from = {op: float(probe_bytes) if gain > 0 else math.inf
                              for op, gain in zip(costs.OPS, gains.tolist())}
     taken = [op for op, size in planner.flat_from.items() if size < math.inf]

@@ -19,7 +19,6 @@ import torch
 
 from hetccl_ray.collective import rounds, routes
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement, on_host
-from hetccl_ray.collective.tensors import dtype_code
 from hetccl_ray.buffers import combine, copy
 from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
@@ -116,10 +115,11 @@ def _verdict(ctx, rows: Rows, spilled: bool) -> Optional[str]:
     return problem
 
 
-def sent_ahead(row: list[int], to: int) -> int:
-    """Elements a rank with ``row`` sent ``to`` ahead of the round: an all-to-all's block from
-    host memory goes straight to its destination while the round runs (plans.alltoall)."""
-    if Call.decode(row[:ROW_WIDTH]).op != "alltoall" or not on_host(row) or len(row) <= ROW_WIDTH + to:
+def sent_ahead(call: Call, row: list[int], to: int) -> int:
+    """Elements the rank that made ``call`` (its ``row``) sent ``to`` ahead of the round: an
+    all-to-all's block from host memory goes straight to its destination while the round
+    runs (plans.alltoall)."""
+    if call.op != "alltoall" or not on_host(row) or len(row) <= ROW_WIDTH + to:
         return 0
     return row[ROW_WIDTH + to]
 
@@ -129,11 +129,11 @@ def drain(ctx, rows: Rows) -> None:
     (their rows say what), so that the next op finds each link at its own messages."""
     handles = []
     for peer, row in sorted(rows.items()):
-        count = sent_ahead(row, ctx.rank) if peer != ctx.rank else 0
+        call = Call.decode(row[:ROW_WIDTH])
+        count = sent_ahead(call, row, ctx.rank) if peer != ctx.rank else 0
         if count:
-            call = Call.decode(row[:ROW_WIDTH])
             into = ctx.scratch.get(("drain", peer), count, torch.empty(0, dtype=call.dtype))  # frames decode by dtype
-            handles.append(ctx.direct.irecv(peer, into, Tag(OP_CODES["alltoall"], call.seq, dtype_code(call.dtype))))
+            handles.append(ctx.direct.irecv(peer, into, call.tag()))
     for handle in handles:
         ctx.wait(handle)
 
