@@ -79,31 +79,39 @@ def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_ho
     assert any("flat Gloo over every rank" in line and "allreduce >= 5,000 B" in line for line in p.describe())
 
 
-def test_calibration_times_each_op_by_both_plans_and_keeps_the_flat_one_only_where_faster():
+def test_calibration_times_each_op_by_both_plans_and_keeps_the_flat_one_from_where_faster():
     import time
 
     from hetccl_ray.collective import planner
 
     p = planner.Planner(TWO_BY_TWO)
-    seconds = {planner.FLAT: 1e-3, planner.PLAN: 3e-3}  # the flat plan wins, except broadcast
+    first, second = planner.OP_PROBE_BYTES
+    # the flat plan takes 1 ms, the hierarchical 3 ms; but broadcast's flat op loses at the
+    # first size and wins at the second, and reduce's loses at both
+    flat_s = {("broadcast", first): 5e-3, ("reduce", first): 5e-3, ("reduce", second): 5e-3}
     taken = []
 
-    def call(op):
+    def call(op, nbytes):
         def run():
-            plan = p.plan_of(op, max(planner.PROBE_BYTES))
-            taken.append(plan)
-            time.sleep(seconds[plan] * (5 if op == "broadcast" and plan == planner.FLAT else 1))
+            plan = p.plan_of(op, nbytes)
+            taken.append((op, nbytes, plan))
+            time.sleep(flat_s.get((op, nbytes), 1e-3) if plan == planner.FLAT else 3e-3)
         return run
 
     def broadcast(t):
         time.sleep(1e-4 + t.numel() * 8 / 1e9 * 3)
 
     planner.calibrate(p, None, "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e9 * 3), lambda: time.sleep(3e-4),
-                      broadcast, lambda t: None, lambda t: t.mul_(4), lambda nbytes: {op: call(op) for op in costs.OPS})
-    assert taken.count(planner.FLAT) == taken.count(planner.PLAN) == len(costs.OPS) * (planner.OP_PROBE_ROUNDS + 1)
-    assert p.flat_from["broadcast"] == math.inf
-    assert all(p.flat_from[op] <= max(planner.PROBE_BYTES) for op in costs.OPS if op != "broadcast")
-    assert p.plan_of("allreduce", 64 << 20) == planner.FLAT and p.plan_of("broadcast", 64 << 20) == planner.PLAN
+                      broadcast, lambda t: None, lambda t, op: t.mul_(4 if op == "sum" else 1),
+                      lambda nbytes: {op: call(op, nbytes) for op in costs.OPS})
+    calls = planner.OP_PROBE_ROUNDS + 1
+    for plan in (planner.FLAT, planner.PLAN):  # every op at the first size, the two losers again
+        assert sorted(t[:2] for t in taken if t[2] == plan) == sorted(
+            [(op, first) for op in costs.OPS] * calls + [("broadcast", second), ("reduce", second)] * calls)
+    assert p.flat_from == {"allreduce": first, "reduce": math.inf, "broadcast": second, "allgather": first,
+                           "reducescatter": first}
+    assert p.plan_of("allreduce", 64 << 20) == planner.FLAT and p.plan_of("reduce", 64 << 20) == planner.PLAN
+    assert p.plan_of("broadcast", first * 2) == planner.PLAN and p.plan_of("broadcast", second) == planner.FLAT
 
 
 def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
@@ -114,11 +122,12 @@ def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
     assert bounded["allreduce"] < alone["allreduce"] and bounded["reduce"] == alone["reduce"]
 
 
-def test_a_slow_flat_library_is_timed_at_a_smaller_size():
+def test_a_slow_flat_library_is_timed_at_smaller_sizes():
     from hetccl_ray.collective import planner
 
-    fast, slow = planner._op_probe_bytes(2e-3), planner._op_probe_bytes(0.5)  # 4 MiB flat broadcast: 2 ms, 500 ms
-    assert fast == max(planner.PROBE_BYTES)
-    calls = len(costs.OPS) * (planner.OP_PROBE_ROUNDS + 1) * 2
-    assert slow == pytest.approx(max(planner.PROBE_BYTES) * planner.OP_PROBE_BUDGET_S / (calls * 0.5), rel=1e-6)
-    assert planner._op_probe_bytes(60.0) == min(planner.PROBE_BYTES)  # never below the small probe
+    fast, slow = planner._op_probe_sizes(2e-3), planner._op_probe_sizes(0.05)  # 4 MiB flat broadcast: 2 ms, 50 ms
+    assert fast == list(planner.OP_PROBE_BYTES)
+    calls = len(costs.OPS) * (planner.OP_PROBE_ROUNDS + 1) * 2 * sum(planner.OP_PROBE_BYTES) / max(planner.PROBE_BYTES)
+    scale = planner.OP_PROBE_BUDGET_S / (calls * 0.05)
+    assert slow == [int(size * scale) for size in planner.OP_PROBE_BYTES]
+    assert planner._op_probe_sizes(60.0) == [min(planner.PROBE_BYTES)]  # never below the small probe

@@ -108,7 +108,9 @@ class HetCCLGroup(BaseGroup):
         planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
-                          lambda t: devices.synchronize(t, self.options.timeout_s), self.allreduce, self._probe_calls)
+                          lambda t: devices.synchronize(t, self.options.timeout_s),
+                          lambda t, op: self.allreduce(t, _pinned(AllReduceOptions, reduceOp=getattr(ReduceOp, op.upper()))),
+                          self._probe_calls)
         # the probes are not the user's ops: numbering and counters start after them (every
         # message of theirs was received in order before a rank's next op can arrive)
         self._seq = self._progress.seq = 0
@@ -119,10 +121,11 @@ class HetCCLGroup(BaseGroup):
 
     def _probe_calls(self, nbytes: int) -> dict[str, Callable[[], None]]:
         """One call of each op the flat plan may take, on ``nbytes`` (nccl-tests' size) of host
-        zeros: what the planner times to choose between the flat and the hierarchical plan."""
-        whole = torch.zeros(nbytes // 4 // self.world_size * self.world_size)
+        values a codec cannot shrink: what the planner times to choose between the flat and
+        the hierarchical plan."""
+        whole = planner.incompressible(nbytes // 4 // self.world_size * self.world_size, torch.float32)
         parts = list(whole.chunk(self.world_size))
-        part = torch.zeros_like(parts[0])
+        part = parts[0].clone()
         return {"allreduce": lambda: self.allreduce(whole), "reduce": lambda: self.reduce(whole),
                 "broadcast": lambda: self.broadcast(whole), "allgather": lambda: self.allgather([parts], [part]),
                 "reducescatter": lambda: self.reducescatter([part], [parts])}

@@ -21,7 +21,10 @@ from hetccl_ray.collective import costs
 from hetccl_ray.topology import Topology
 
 PROBE_ROUNDS, PROBE_BYTES = 7, (256 << 10, 4 << 20)  # formation's timed rounds for the cost model
-OP_PROBE_ROUNDS = 3  # timed calls per op and plan at the largest probe size
+OP_PROBE_ROUNDS = 3  # timed calls per op and plan at each op probe size
+# Each op is timed by both plans at the first size, and at the next only if the flat plan lost
+# (on 1+2+3 loopback, broadcast ties at 4 MiB and the flat op is 1.5x faster at 16 MiB).
+OP_PROBE_BYTES = (4 << 20, 16 << 20)
 OP_PROBE_BUDGET_S = 2.0  # about what those calls may take on a slow border
 ROUND, PLAN, FLAT = "round", "plan", "flat"
 
@@ -36,15 +39,15 @@ class Planner:
     flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.OPS, math.inf))
     link: Optional[costs.LinkCosts] = None
     flat_link: Optional[costs.LinkCosts] = None
+    forced: Optional[str] = None  # PLAN or FLAT whatever the size: what calibration times
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"round", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests' size).
         The flat plan needs the rows (``checked``) to show CPU tensors on every rank."""
-        if nbytes <= self.small_bytes.get(op, 0):
+        if self.forced is None and nbytes <= self.small_bytes.get(op, 0):
             return ROUND
-        if self.flat and every_rank_on_host and checked and nbytes >= self.flat_from.get(op, math.inf):
-            return FLAT
-        return PLAN
+        flat = self.forced == FLAT or (self.forced is None and nbytes >= self.flat_from.get(op, math.inf))
+        return FLAT if flat and self.flat and every_rank_on_host and checked else PLAN
 
     def describe(self) -> list[str]:
         """The link costs and the plan each op takes by size, as lines for a header."""
@@ -56,6 +59,13 @@ class Planner:
             lines.append(f"flat Gloo over every rank ({self.flat_link.describe() if self.flat_link else 'flat=on'})"
                          f" for: {sizes or 'none'}")
         return lines
+
+
+def incompressible(count: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``count`` host values in [0, 1) that a border codec cannot shrink (random mantissas,
+    fixed seed): probes of zeros timed the codec's compressed messages, not the link (the
+    round's rate read as the 10 GB/s cap, and it took 4 MiB ops where it lost)."""
+    return torch.rand(count, dtype=dtype, generator=torch.Generator().manual_seed(count))
 
 
 def timed(op: Callable[[], None], rounds: int) -> list[float]:
@@ -71,7 +81,7 @@ def timed(op: Callable[[], None], rounds: int) -> list[float]:
 def _probes(broadcasts: list[Callable[[torch.Tensor], None]], rounds: int) -> list[dict[int, list[float]]]:
     """Timed broadcasts of each probe size by each of ``broadcasts``, taken in turn round by
     round, so that what else loads the machine meanwhile weighs on each alike."""
-    probes = {size: torch.zeros(size // 8, dtype=torch.float64) for size in PROBE_BYTES}
+    probes = {size: incompressible(size // 8) for size in PROBE_BYTES}
     times: list[dict[int, list[float]]] = [{size: [] for size in PROBE_BYTES} for _ in broadcasts]
     for _ in range(rounds):
         for size, probe in probes.items():
@@ -82,14 +92,15 @@ def _probes(broadcasts: list[Callable[[torch.Tensor], None]], rounds: int) -> li
 
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
               barrier: Callable[[], None], broadcast: Callable[[torch.Tensor], None],
-              synchronize: Callable[[torch.Tensor], None], allreduce: Callable[[torch.Tensor], None],
+              synchronize: Callable[[torch.Tensor], None], allreduce: Callable[[torch.Tensor, str], None],
               probe_calls: Callable[[int], dict[str, Callable[[], None]]]) -> None:
     """Set the group's planner: thresholds from the ``small_bytes`` option, else from costs
-    measured now and broadcast from rank 0, so that every rank plans alike: timed rows-only
+    measured now on every rank and agreed (``allreduce(t, "max")``: the slowest rank's,
+    ``"sum"``), so that every rank plans alike: timed rows-only
     rounds and small-round broadcasts through the group's own ``barrier`` and ``broadcast``
     (the link), the flat library's broadcasts (``flat_broadcast``), and each op of
-    ``probe_calls`` by the hierarchical and by the flat plan at the largest probe size
-    (what every rank saw, summed by ``allreduce``: one rank's view of a close race is noise)."""
+    ``probe_calls`` by the hierarchical and by the flat plan at the op probe sizes (what
+    every rank saw, summed: one rank's view of a close race is noise)."""
     topology = planner.topology
     planner.flat = flat_broadcast is not None
     planner.flat_from = dict.fromkeys(costs.OPS, 0.0 if flat_mode == "on" else math.inf)
@@ -101,55 +112,66 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     measure_flat = planner.flat and flat_mode == "auto"
     probes = _probes([broadcast, flat_broadcast] if measure_flat else [broadcast], PROBE_ROUNDS)
     measured = costs.measure(hops, probes[0], topology)
-    numbers = [measured.hop_s, measured.bytes_per_s]
+    numbers = [measured.hop_s, 1 / measured.bytes_per_s]
     if measure_flat:
         tiny = torch.zeros(1, dtype=torch.float64)
         flat_hops = timed(lambda: flat_broadcast(tiny), PROBE_ROUNDS + 1)[1:]
         flat_link = costs.measure_flat(probes[1], topology.world_size, flat_hops)
-        numbers += [flat_link.hop_s, flat_link.bytes_per_s, _op_probe_bytes(min(probes[1][max(PROBE_BYTES)]))]
+        numbers += [flat_link.hop_s, 1 / flat_link.bytes_per_s, min(probes[1][max(PROBE_BYTES)])]
+    # every rank's costs, the worst of each agreed: an op ends on its last rank (a root's own
+    # time ends when its sends are buffered, and read 10 GB/s where its receivers saw 3-5)
     agreed = torch.tensor(numbers, dtype=torch.float64)
-    broadcast(agreed)
+    allreduce(agreed, "max")
     synchronize(agreed)  # an emulated device lands it later
     values = agreed.tolist()
-    planner.link = costs.LinkCosts(*values[:2])
+    planner.link = costs.LinkCosts(values[0], 1 / values[1])
     if len(values) > 2:
-        planner.flat_link, probe_bytes = costs.LinkCosts(*values[2:4]), int(values[4])
-        gains = torch.tensor(_flat_gains(planner, probe_calls(probe_bytes)), dtype=torch.float64)
-        allreduce(gains)
-        synchronize(gains)
-        # from the size where it was timed and gained, not from the model's crossover: at
-        # smaller sizes the model's line is extrapolated, and has picked it where it lost
-        planner.flat_from = {op: float(probe_bytes) if gain > 0 else math.inf
-                             for op, gain in zip(costs.OPS, gains.tolist())}
+        planner.flat_link = costs.LinkCosts(values[2], 1 / values[3])
+        planner.flat_from = _flat_from(probe_calls, _op_probe_sizes(values[4]), planner, allreduce, synchronize)
     taken = [op for op, size in planner.flat_from.items() if size < math.inf]
     planner.small_bytes = costs.thresholds(topology, planner.link, planner.flat_link, taken)
 
 
-def _op_probe_bytes(flat_broadcast_s: float) -> int:
-    """The size at which each op is timed by both plans: the largest probe size, smaller
-    where the flat library is slow (a slow border) so that the timed calls take about
-    ``OP_PROBE_BUDGET_S`` in all, never below the smallest probe size."""
-    calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 2
-    scale = OP_PROBE_BUDGET_S / max(calls * flat_broadcast_s, 1e-9)
-    return int(min(max(max(PROBE_BYTES) * scale, min(PROBE_BYTES)), max(PROBE_BYTES)))
+def _op_probe_sizes(flat_broadcast_s: float) -> list[int]:
+    """The sizes at which the ops are timed by both plans: ``OP_PROBE_BYTES``, scaled down
+    where the flat library is slow (``flat_broadcast_s`` for the largest broadcast probe; a
+    slow border) so that every timed call takes about ``OP_PROBE_BUDGET_S`` in all, never
+    below the smallest broadcast probe."""
+    calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 2 * sum(OP_PROBE_BYTES) / max(PROBE_BYTES)
+    scale = min(OP_PROBE_BUDGET_S / max(calls * flat_broadcast_s, 1e-9), 1.0)
+    return sorted({int(max(size * scale, min(PROBE_BYTES))) for size in OP_PROBE_BYTES})
 
 
-def _flat_gains(planner: Planner, calls: dict[str, Callable[[], None]]) -> list[float]:
-    """For each op (costs.OPS order), the seconds the flat plan's fastest of
-    ``OP_PROBE_ROUNDS`` timed calls (after one untimed) saved against the hierarchical
-    plan's, the two taken in turn."""
-    small, planner.small_bytes = planner.small_bytes, {}
-    flat_from = planner.flat_from
+def _flat_from(probe_calls: Callable[[int], dict[str, Callable[[], None]]], sizes: list[int], planner: Planner,
+               allreduce: Callable[[torch.Tensor, str], None],
+               synchronize: Callable[[torch.Tensor], None]) -> dict[str, float]:
+    """Per op, the first of ``sizes`` from which the flat plan is taken: where it gained, in
+    every rank's sum, the first time it was timed (each op is timed again at the next size
+    while it lost). Not from the model's crossover: below the timed size the model's line
+    is extrapolated, and has picked the flat op where it lost."""
+    flat_from = dict.fromkeys(costs.OPS, math.inf)
+    for size in sizes:
+        ops = [op for op, taken in flat_from.items() if taken == math.inf]
+        if not ops:
+            break
+        calls = probe_calls(size)
+        gains = torch.tensor([_flat_gain(planner, calls[op]) for op in ops], dtype=torch.float64)
+        allreduce(gains, "sum")
+        synchronize(gains)
+        flat_from.update((op, float(size)) for op, gain in zip(ops, gains.tolist()) if gain > 0)
+    return flat_from
+
+
+def _flat_gain(planner: Planner, call: Callable[[], None]) -> float:
+    """The seconds the flat plan's fastest of ``OP_PROBE_ROUNDS`` timed calls (after one
+    untimed) saved against the hierarchical plan's, the two taken in turn."""
+    best = {PLAN: math.inf, FLAT: math.inf}
     try:
-        out = []
-        for op in costs.OPS:
-            best = {math.inf: math.inf, 0.0: math.inf}
-            for warm in [True] + [False] * OP_PROBE_ROUNDS:  # a first call allocates: not timed
-                for plan_from in best:
-                    planner.flat_from = dict.fromkeys(costs.OPS, plan_from)
-                    seconds = timed(calls[op], 1)[0]
-                    best[plan_from] = best[plan_from] if warm else min(best[plan_from], seconds)
-            out.append(best[math.inf] - best[0.0])
-        return out
+        for warm in [True] + [False] * OP_PROBE_ROUNDS:  # a first call allocates: not timed
+            for plan in best:
+                planner.forced = plan
+                seconds = timed(call, 1)[0]
+                best[plan] = best[plan] if warm else min(best[plan], seconds)
     finally:
-        planner.small_bytes, planner.flat_from = small, flat_from
+        planner.forced = None
+    return best[PLAN] - best[FLAT]
