@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import threading
 import time
 
@@ -16,6 +15,7 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
+from hetccl_ray.transport.tcp import dial
 from tests import cluster as test_cluster
 
 
@@ -65,8 +65,7 @@ def test_stranger_with_wrong_secret_is_refused_and_the_collective_completes(acto
     hetccl_ray.create_collective_group(group, 4, [0, 1, 2, 3], group_name="guarded", timeout_s=30)
     addresses = ray.get([a.call.remote(_address, "guarded", r) for r, a in enumerate(group)])
     refs = [a.call.remote(_allreduce_after, "guarded", r, 1.0) for r, a in enumerate(group)]
-    host, port = addresses[3]
-    with socket.create_connection((host, port), timeout=5) as stranger:
+    with dial(addresses[3], timeout_s=5) as stranger:  # rank 3's Unix socket: the same host
         stranger.recv(16)                                   # the challenge
         stranger.sendall(b"\x00\x00\x00\x00" + b"garbage!" * 4)
         stranger.settimeout(5)

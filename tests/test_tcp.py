@@ -4,7 +4,6 @@ refused and logged, the secret appears in no log record or repr, the real peers 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 
 import numpy as np
@@ -15,14 +14,17 @@ from hetccl_ray.benchdata import gradients
 from hetccl_ray.compress.frames import FRAME_BYTES, Encoder
 from hetccl_ray.errors import HetCCLPeerError
 from hetccl_ray.transport.base import Tag
-from hetccl_ray.transport.tcp import TcpBorder
+from hetccl_ray.transport.tcp import TcpBorder, dial
 
 SECRET = bytes(range(32))
 
 
-@pytest.fixture(params=["auto"])
+@pytest.fixture(params=["tcp", "unix"])
 def pair(request):
-    borders = [TcpBorder(r, "127.0.0.1", request.param) for r in range(2)]
+    """Two borders on this host: over TCP, or (``same_host``) over an abstract Unix socket;
+    "-on" after the kind: compress every float payload."""
+    kind, _, compress = request.param.partition("-")
+    borders = [TcpBorder(r, "127.0.0.1", compress or "auto", same_host=kind == "unix") for r in range(2)]
     addresses = {r: b.address for r, b in enumerate(borders)}
     for r, border in enumerate(borders):
         border.set_peers({p: a for p, a in addresses.items() if p != r}, SECRET)
@@ -33,7 +35,7 @@ def pair(request):
 
 def test_stranger_is_refused_logged_and_the_secret_never_shown(pair, caplog):
     caplog.set_level(logging.DEBUG)
-    with socket.create_connection(pair[1].address, timeout=5) as stranger:
+    with dial(pair[1].address, timeout_s=5) as stranger:  # by Unix socket where it listens on one
         challenge = stranger.recv(16)
         stranger.sendall(b"\x00\x00\x00\x00" + bytes(32))    # claims rank 0, wrong proof
         stranger.settimeout(5)
@@ -73,7 +75,7 @@ def _both(first, second, timeout=20):
         raise errors[0]
 
 
-@pytest.mark.parametrize("pair", ["on"], indirect=True)
+@pytest.mark.parametrize("pair", ["tcp-on", "unix-on"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
 def test_compressed_payloads_land_and_reduce_bit_exactly(pair, dtype):
     n = 3 * FRAME_BYTES // 2 + 5  # several frames, the last one short
@@ -88,7 +90,7 @@ def test_compressed_payloads_land_and_reduce_bit_exactly(pair, dtype):
     assert pair[0].compression()[1]["messages_compressed"] == 2
 
 
-@pytest.mark.parametrize("pair", ["on"], indirect=True)
+@pytest.mark.parametrize("pair", ["tcp-on", "unix-on"], indirect=True)
 def test_a_corrupt_frame_is_an_error_naming_the_peer(pair, monkeypatch):
     frames = Encoder.frames
 
@@ -115,7 +117,7 @@ def _flood(address, count: int, held: list) -> None:
 
     for k in range(count):
         try:
-            sock = socket.create_connection(address, timeout=1)
+            sock = dial(address, timeout_s=1)
         except OSError:
             continue
         kind = k % 3

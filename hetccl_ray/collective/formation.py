@@ -68,8 +68,8 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
     rendezvous = (StoreRendezvous(store, group_name) if store is not None
                   else Rendezvous(group_name, _generation(group_name)))
     host = options.bind_host or (ray.util.get_node_ip_address() if in_ray else _default_host())
-    tcp = TcpBorder(rank, host, options.compress)
-    direct = TcpBorder(rank, host, options.compress, redial=True)
+    tcp = TcpBorder(rank, host, options.compress, same_host=options.same_host)
+    direct = TcpBorder(rank, host, options.compress, redial=True, same_host=options.same_host)
     if store is None and rank == 0:
         store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
     labels = ray.get_runtime_context().get_node_labels() if in_ray else {}
@@ -77,7 +77,8 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
     found = (verbs.discover(here.rdma_devices, here.rdma_gid_index) if options.transport != "tcp"
              else verbs.Discovery((), "transport='tcp' was asked for"))
     record = {"island": island_for(options.islands.get(rank) or here.island, labels, devices.local_accelerator()),
-              "host": host, "port": tcp.address[1], "direct_port": direct.address[1], "world_size": world_size,
+              "host": host, "port": tcp.address.port, "direct_port": direct.address.port,
+              "local": tcp.address.local, "direct_local": direct.address.local, "world_size": world_size,
               "rdma": found.to_record()}
     if rank == 0:
         record.update(store_port=getattr(store, "port", 0), secret=secrets.token_hex(32))
@@ -87,8 +88,9 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
         topology = Topology.from_islands([rec["island"] for rec in records], options.max_lanes)
         island = topology.island_of(rank)
         secret, local = bytes.fromhex(records[0]["secret"]), frozenset(island.ranks) - {rank}
-        for border, port in ((tcp, "port"), (direct, "direct_port")):
-            border.set_peers({r: (rec["host"], rec[port]) for r, rec in enumerate(records) if r != rank}, secret, local)
+        for border, port, name in ((tcp, "port", "local"), (direct, "direct_port", "direct_local")):
+            border.set_peers({r: (rec["host"], rec[port], rec[name]) for r, rec in enumerate(records) if r != rank},
+                             secret, local)
         tcp.connect_all(max(deadline - time.monotonic(), 1.0))
         transports = {peer: choose(options.transport, rank, found, peer,
                                    verbs.Discovery.from_record(records[peer].get("rdma")))

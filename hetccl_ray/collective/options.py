@@ -48,6 +48,9 @@ class GroupOptions:
     compress: lossless compression of float payloads to other islands over TCP: "auto"
         (each link compresses when its measured rate and the codec's speed and ratio say it
         saves time), "on" or "off" (``HETCCL_COMPRESS``; compress/policy.py).
+    same_host: the TCP border reaches ranks of the same host and network namespace over
+        Unix sockets, as NCCL's SHM transport within a node (``HETCCL_SAME_HOST=0``: TCP
+        to every rank).
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("HETCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
@@ -63,6 +66,7 @@ class GroupOptions:
                                        if os.environ.get("HETCCL_SMALL_BYTES") else None)
     compress: str = field(default_factory=lambda: os.environ.get("HETCCL_COMPRESS") or "auto")
     flat: str = field(default_factory=lambda: os.environ.get("HETCCL_FLAT") or "auto")
+    same_host: bool = field(default_factory=lambda: os.environ.get("HETCCL_SAME_HOST", "1") != "0")
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
