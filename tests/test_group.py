@@ -26,7 +26,9 @@ LAYOUTS = {
 }
 LAYOUTS.update({f"{name}-zip": LAYOUTS[name] for name in ("two", "three")})  # compress="on": every float
 LAYOUTS.update({f"{name}-flat": LAYOUTS[name] for name in ("two", "three")})  # flat="on": Gloo over every rank
-ISLAND_COUNT = {"two": 2, "three": 3, "one": 1, "two-zip": 2, "three-zip": 3, "two-flat": 2, "three-flat": 3}
+LAYOUTS["two-tcp"] = LAYOUTS["two"]  # same_host=False: loopback TCP where "two" dials Unix sockets
+ISLAND_COUNT = {"two": 2, "three": 3, "one": 1, "two-zip": 2, "three-zip": 3, "two-flat": 2, "three-flat": 3,
+                "two-tcp": 2}
 SMALL_BYTES = 16384  # buffers up to this take the small-message round, larger ones the island plans
 
 
@@ -42,7 +44,7 @@ def actors():
     for name, picks in LAYOUTS.items():
         members = [actors[island][i] for island, i in picks]
         zipped = dict(compress="on", piece_bytes=4096 if name == "three-zip" else 4 << 20) if "zip" in name else {}
-        zipped.update(flat="on" if name.endswith("-flat") else "off")
+        zipped.update(flat="on" if name.endswith("-flat") else "off", same_host=not name.endswith("-tcp"))
         hetccl_ray.create_collective_group(members, len(members), list(range(len(members))),
                                            group_name=name, timeout_s=60, small_bytes=SMALL_BYTES, **zipped)
     picks = [actors[island][i] for island, i in LAYOUTS["three"]]  # the same ranks, pipelined in small pieces
@@ -490,7 +492,10 @@ def test_compression_is_bit_exact_on_gradients_and_sends_fewer_bytes(actors):
 
 
 def test_auto_measures_then_stays_raw_on_loopback(actors):
-    reports = [r[4] for r in on_all(actors, "two", _gradients_across, 12)]
+    same_host = [r[4] for r in on_all(actors, "two", _gradients_across, 2)]
+    assert all(link["mode"] == "off" and not link["messages_compressed"]  # Unix sockets: never encoded
+               for report in same_host for link in report.values()), same_host
+    reports = [r[4] for r in on_all(actors, "two-tcp", _gradients_across, 12)]
     links = [link for report in reports for link in report.values() if link["messages_compressed"]]
     assert links, reports  # the first large message to each peer measured the codec
     for link in links:
