@@ -213,7 +213,8 @@ def test_a_dead_receiver_leaves_the_sender_working_and_leaking_nothing(peers):
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(doomed.take.remote(sender.state.remote(42)), timeout=60)
     expect_state(ray.get(other.take.remote(sender.state.remote(43)), timeout=60), 43)
-    assert ray.get(sender.resources.remote()) == before
+    after = ray.get(sender.resources.remote())  # fewer is fine: the dead peer's sockets may be closed by now
+    assert all(now <= then for now, then in zip(after, before)), (after, before)
 
 
 def test_a_destroyed_group_is_a_clear_error(peers):
