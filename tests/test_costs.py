@@ -79,23 +79,28 @@ def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_ho
     assert any("flat Gloo over every rank" in line and "allreduce >= 5,000 B" in line for line in p.describe())
 
 
-def test_calibration_times_each_op_by_both_plans_and_keeps_the_flat_one_from_where_faster():
+def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_from_where_it_won():
+    import collections
     import time
 
     from hetccl_ray.collective import planner
 
     p = planner.Planner(TWO_BY_TWO)
-    first, second = planner.OP_PROBE_BYTES
-    # the flat plan takes 1 ms, the hierarchical 3 ms; but broadcast's flat op loses at the
-    # first size and wins at the second, and reduce's loses at both
-    flat_s = {("broadcast", first): 5e-3, ("reduce", first): 5e-3, ("reduce", second): 5e-3}
-    taken = []
+    k256, m1, m4, m16 = 256 << 10, 1 << 20, 4 << 20, 16 << 20
+    # the round takes 0.5 ms, the flat plan 1 ms, the hierarchical 3 ms, except: broadcast's
+    # round loses from 1 MiB and its flat op until 16 MiB, reduce's flat op always loses,
+    # allreduce's round loses at 4 MiB (to the flat op)
+    slow = {(planner.ROUND, "broadcast", m1), (planner.ROUND, "broadcast", m4), (planner.ROUND, "allreduce", m4),
+            (planner.FLAT, "broadcast", m1), (planner.FLAT, "broadcast", m4),
+            *((planner.FLAT, "reduce", size) for size in (k256, m1, m4, m16))}
+    taken = collections.Counter()
 
     def call(op, nbytes):
         def run():
             plan = p.plan_of(op, nbytes)
-            taken.append((op, nbytes, plan))
-            time.sleep(flat_s.get((op, nbytes), 1e-3) if plan == planner.FLAT else 3e-3)
+            taken[op, nbytes, plan] += 1
+            time.sleep(5e-3 if (plan, op, nbytes) in slow else {planner.ROUND: 5e-4, planner.FLAT: 1e-3,
+                                                                 planner.PLAN: 3e-3}[plan])
         return run
 
     def broadcast(t):
@@ -104,14 +109,43 @@ def test_calibration_times_each_op_by_both_plans_and_keeps_the_flat_one_from_whe
     planner.calibrate(p, None, "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e9 * 3), lambda: time.sleep(3e-4),
                       broadcast, lambda t: None, lambda t, op: t.mul_(4 if op == "sum" else 1),
                       lambda nbytes: {op: call(op, nbytes) for op in costs.OPS})
-    calls = planner.OP_PROBE_ROUNDS + 1
-    for plan in (planner.FLAT, planner.PLAN):  # every op at the first size, the two losers again
-        assert sorted(t[:2] for t in taken if t[2] == plan) == sorted(
-            [(op, first) for op in costs.OPS] * calls + [("broadcast", second), ("reduce", second)] * calls)
-    assert p.flat_from == {"allreduce": first, "reduce": math.inf, "broadcast": second, "allgather": first,
-                           "reducescatter": first}
-    assert p.plan_of("allreduce", 64 << 20) == planner.FLAT and p.plan_of("reduce", 64 << 20) == planner.PLAN
-    assert p.plan_of("broadcast", first * 2) == planner.PLAN and p.plan_of("broadcast", second) == planner.FLAT
+    every = (planner.ROUND, planner.PLAN, planner.FLAT)
+    raced = {**{(op, size): every for op in costs.OPS for size in (k256, m1, m4)},
+             ("broadcast", m4): (planner.PLAN, planner.FLAT),  # its round lost at 1 MiB
+             **{(op, m16): (planner.PLAN, planner.FLAT) for op in ("reduce", "broadcast", "allgather", "reducescatter")}}
+    calls = planner.OP_PROBE_ROUNDS + 1  # allreduce is flat from 4 MiB: not raced at 16
+    assert taken == {(op, size, plan): calls for (op, size), plans in raced.items() for plan in plans}
+    assert p.flat_from == {"allreduce": m4, "reduce": math.inf, "broadcast": m16, "allgather": m16,
+                           "reducescatter": m16}
+    assert p.small_bytes == {"allreduce": m1, "broadcast": k256, "reduce": m4, "allgather": m4, "reducescatter": m4}
+    assert p.plan_of("broadcast", m1) == planner.PLAN and p.plan_of("broadcast", m16) == planner.FLAT
+    assert p.plan_of("allreduce", m4) == planner.FLAT and p.plan_of("reduce", 64 << 20) == planner.PLAN
+
+
+def test_the_round_threshold_follows_its_races_and_the_model_between_them():
+    from hetccl_ray.collective import planner
+
+    sizes = [256 << 10, 1 << 20, 4 << 20]
+    assert planner._round_limit(100_000, math.inf, sizes) == 4 << 20  # won every race: the model was timid
+    assert planner._round_limit(100_000, math.inf, []) == 100_000  # none fit the budget: the model's
+    assert planner._round_limit(4 << 20, float(1 << 20), sizes) == 256 << 10  # lost at 1 MiB
+    assert planner._round_limit(100_000, float(256 << 10), sizes) == 100_000  # lost at the first: below it
+    assert planner._round_limit(4 << 20, float(256 << 10), sizes) == 128 << 10
+
+
+def test_a_slow_border_races_at_fewer_and_smaller_sizes():
+    from hetccl_ray.collective import planner
+
+    fast = costs.LinkCosts(1e-4, 3e9)
+    ladder = sorted({*planner.ROUND_PROBE_BYTES, *planner.OP_PROBE_BYTES})
+    assert planner._ladder(TWO_BY_TWO, fast, 2e-3) == ladder  # 4 MiB flat broadcast: 2 ms
+    assert planner._ladder(TWO_BY_TWO, fast, None) == list(planner.ROUND_PROBE_BYTES)  # no flat library
+    slow = costs.LinkCosts(1e-3, 30e6)  # the round fits the budget at 256 KiB only
+    calls = len(costs.OPS) * (planner.OP_PROBE_ROUNDS + 1) * 2 * sum(planner.OP_PROBE_BYTES) / max(planner.PROBE_BYTES)
+    scale = planner.OP_PROBE_BUDGET_S / (calls * 0.05)  # 4 MiB flat broadcast: 50 ms
+    assert planner._ladder(TWO_BY_TWO, slow, 0.05) == sorted({256 << 10, *(int(size * scale)
+                                                                          for size in planner.OP_PROBE_BYTES)})
+    assert planner._ladder(TWO_BY_TWO, slow, 60.0) == [min(planner.PROBE_BYTES)]  # never below the small probe
 
 
 def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
@@ -120,14 +154,3 @@ def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
     assert costs.thresholds(TWO_BY_TWO, link, fast_flat) == alone  # the flat plan is taken for no op
     bounded = costs.thresholds(TWO_BY_TWO, link, fast_flat, ["allreduce"])
     assert bounded["allreduce"] < alone["allreduce"] and bounded["reduce"] == alone["reduce"]
-
-
-def test_a_slow_flat_library_is_timed_at_smaller_sizes():
-    from hetccl_ray.collective import planner
-
-    fast, slow = planner._op_probe_sizes(2e-3), planner._op_probe_sizes(0.05)  # 4 MiB flat broadcast: 2 ms, 50 ms
-    assert fast == list(planner.OP_PROBE_BYTES)
-    calls = len(costs.OPS) * (planner.OP_PROBE_ROUNDS + 1) * 2 * sum(planner.OP_PROBE_BYTES) / max(planner.PROBE_BYTES)
-    scale = planner.OP_PROBE_BUDGET_S / (calls * 0.05)
-    assert slow == [int(size * scale) for size in planner.OP_PROBE_BYTES]
-    assert planner._op_probe_sizes(60.0) == [min(planner.PROBE_BYTES)]  # never below the small probe

@@ -70,6 +70,11 @@ def tree_busiest(op: str, topo: Topology) -> float:
     return _shape(op, topo)[1]
 
 
+def round_seconds(topo: Topology, costs: LinkCosts, nbytes: int) -> float:
+    """The model's time of the slowest op's small round on ``nbytes``."""
+    return TREE_HOPS * costs.hop_s + max(tree_busiest(op, topo) for op in OPS) * nbytes / costs.bytes_per_s
+
+
 def thresholds(topo: Topology, costs: LinkCosts, flat: Optional[LinkCosts] = None,
                flat_ops: Sequence[str] = ()) -> dict[str, int]:
     """For each op, the largest buffer (nccl-tests' size) that goes by the small round: where

@@ -3,13 +3,14 @@
 Candidates per call: the small round (tree.py, 3 hops, call rows inside), the hierarchical
 plan (schedule.py), and the flat plan (one library over every rank: Gloo, for CPU tensors
 on every rank, after the rows check). The choice reads only the call's op and size, the
-agreed rows and what formation measured and agreed (rank 0's link costs, costs.py, and the
-flat plan's timed gains summed over ranks), never the local tensor, so every rank of a
-group of GPU and CPU islands takes the same plan.
+agreed rows and what formation measured and agreed (the worst of every rank's link costs,
+costs.py, and the timed races of the plans, summed over ranks), never the local tensor, so
+every rank of a group of GPU and CPU islands takes the same plan.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,11 +22,17 @@ from hetccl_ray.collective import costs
 from hetccl_ray.topology import Topology
 
 PROBE_ROUNDS, PROBE_BYTES = 7, (256 << 10, 4 << 20)  # formation's timed rounds for the cost model
-OP_PROBE_ROUNDS = 3  # timed calls per op and plan at each op probe size
-# Each op is timed by both plans at the first size, and at the next only if the flat plan lost
-# (on 1+2+3 loopback, broadcast ties at 4 MiB and the flat op is 1.5x faster at 16 MiB).
+OP_PROBE_ROUNDS = 3  # timed calls per op and plan at each size of the ladder
+# The ladder: each op raced by its candidate plans at these sizes, ascending. The round runs
+# at those up to MAX_SMALL_BYTES that fit ROUND_PROBE_BUDGET_S by the model (on the 2-core
+# VM its line said 4 MiB where the round lost at 1 MiB: 1+2+3 broadcast 0.5x of Gloo); the
+# hierarchical and flat plans at 4 and 16 MiB too (1+2+3 loopback broadcast ties at 4 MiB
+# and is 1.5x faster flat at 16), scaled down where the flat library is slow (a slow border)
+# so that those calls take about OP_PROBE_BUDGET_S.
+ROUND_PROBE_BYTES = (256 << 10, 1 << 20, 4 << 20)
+ROUND_PROBE_BUDGET_S = 2.0
 OP_PROBE_BYTES = (4 << 20, 16 << 20)
-OP_PROBE_BUDGET_S = 2.0  # about what those calls may take on a slow border
+OP_PROBE_BUDGET_S = 2.0
 ROUND, PLAN, FLAT = "round", "plan", "flat"
 
 
@@ -39,13 +46,17 @@ class Planner:
     flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.OPS, math.inf))
     link: Optional[costs.LinkCosts] = None
     flat_link: Optional[costs.LinkCosts] = None
-    forced: Optional[str] = None  # PLAN or FLAT whatever the size: what calibration times
+    forced: Optional[str] = None  # ROUND, PLAN or FLAT whatever the size: what calibration times
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"round", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests' size).
         The flat plan needs the rows (``checked``) to show CPU tensors on every rank."""
-        if self.forced is None and nbytes <= self.small_bytes.get(op, 0):
+        if self.forced == ROUND or (self.forced is None and nbytes <= self.small_bytes.get(op, 0)):
             return ROUND
+        return self.beyond_round(op, nbytes, every_rank_on_host, checked)
+
+    def beyond_round(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
+        """"flat" or "plan": what a call takes where the round does not."""
         flat = self.forced == FLAT or (self.forced is None and nbytes >= self.flat_from.get(op, math.inf))
         return FLAT if flat and self.flat and every_rank_on_host and checked else PLAN
 
@@ -98,9 +109,10 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     measured now on every rank and agreed (``allreduce(t, "max")``: the slowest rank's,
     ``"sum"``), so that every rank plans alike: timed rows-only
     rounds and small-round broadcasts through the group's own ``barrier`` and ``broadcast``
-    (the link), the flat library's broadcasts (``flat_broadcast``), and each op of
-    ``probe_calls`` by the hierarchical and by the flat plan at the op probe sizes (what
-    every rank saw, summed: one rank's view of a close race is noise)."""
+    (the link), the flat library's broadcasts (``flat_broadcast``), then each op of
+    ``probe_calls`` raced by its candidate plans up a ladder of sizes (what every rank saw,
+    summed: one rank's view of a close race is noise). The round's threshold and the flat
+    plan's start are where their races were won; the model's line fills in below the ladder."""
     topology = planner.topology
     planner.flat = flat_broadcast is not None
     planner.flat_from = dict.fromkeys(costs.OPS, 0.0 if flat_mode == "on" else math.inf)
@@ -127,51 +139,88 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     planner.link = costs.LinkCosts(values[0], 1 / values[1])
     if len(values) > 2:
         planner.flat_link = costs.LinkCosts(values[2], 1 / values[3])
-        planner.flat_from = _flat_from(probe_calls, _op_probe_sizes(values[4]), planner, allreduce, synchronize)
+    sizes = _ladder(topology, planner.link, values[4] if len(values) > 2 else None)
+    round_lost = _run_ladder(planner, sizes, measure_flat, functools.partial(_race, probe_calls, planner, allreduce,
+                                                                             synchronize))
     taken = [op for op, size in planner.flat_from.items() if size < math.inf]
-    planner.small_bytes = costs.thresholds(topology, planner.link, planner.flat_link, taken)
+    model = costs.thresholds(topology, planner.link, planner.flat_link, taken)
+    raced = [size for size in sizes if size <= costs.MAX_SMALL_BYTES]
+    planner.small_bytes = {op: _round_limit(model[op], round_lost[op], raced) for op in costs.OPS}
 
 
-def _op_probe_sizes(flat_broadcast_s: float) -> list[int]:
-    """The sizes at which the ops are timed by both plans: ``OP_PROBE_BYTES``, scaled down
-    where the flat library is slow (``flat_broadcast_s`` for the largest broadcast probe; a
-    slow border) so that every timed call takes about ``OP_PROBE_BUDGET_S`` in all, never
-    below the smallest broadcast probe."""
-    calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 2 * sum(OP_PROBE_BYTES) / max(PROBE_BYTES)
-    scale = min(OP_PROBE_BUDGET_S / max(calls * flat_broadcast_s, 1e-9), 1.0)
-    return sorted({int(max(size * scale, min(PROBE_BYTES))) for size in OP_PROBE_BYTES})
+def _ladder(topology: Topology, link: costs.LinkCosts, flat_broadcast_s: Optional[float]) -> list[int]:
+    """The sizes each op is raced at: the round probe sizes whose calls the model says fit
+    ``ROUND_PROBE_BUDGET_S``, and the op probe sizes, scaled down where the flat library is
+    slow (``flat_broadcast_s`` for the largest broadcast probe) never below the smallest
+    broadcast probe (none without a flat library)."""
+    calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 3
+    sizes = {size for size in ROUND_PROBE_BYTES if calls * costs.round_seconds(topology, link, size) <= ROUND_PROBE_BUDGET_S}
+    if flat_broadcast_s is not None:
+        calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 2 * sum(OP_PROBE_BYTES) / max(PROBE_BYTES)
+        scale = min(OP_PROBE_BUDGET_S / max(calls * flat_broadcast_s, 1e-9), 1.0)
+        sizes |= {int(max(size * scale, min(PROBE_BYTES))) for size in OP_PROBE_BYTES}
+    return sorted(sizes)
 
 
-def _flat_from(probe_calls: Callable[[int], dict[str, Callable[[], None]]], sizes: list[int], planner: Planner,
-               allreduce: Callable[[torch.Tensor, str], None],
-               synchronize: Callable[[torch.Tensor], None]) -> dict[str, float]:
-    """Per op, the first of ``sizes`` from which the flat plan is taken: where it gained, in
-    every rank's sum, the first time it was timed (each op is timed again at the next size
-    while it lost). Not from the model's crossover: below the timed size the model's line
-    is extrapolated, and has picked the flat op where it lost."""
-    flat_from = dict.fromkeys(costs.OPS, math.inf)
+def _run_ladder(planner: Planner, sizes: list[int], flat: bool,
+                race: Callable[[int, dict[str, tuple[str, ...]]], dict[str, str]]) -> dict[str, float]:
+    """Race each op up the ladder: the round while it has not lost (up to its cap), and
+    above it the hierarchical plan against the flat one until the flat one wins (from there
+    on it is taken, in ``planner.flat_from``). Returns the size where each op's round first
+    lost (inf: never)."""
+    round_lost = dict.fromkeys(costs.OPS, math.inf)
     for size in sizes:
-        ops = [op for op, taken in flat_from.items() if taken == math.inf]
-        if not ops:
+        entrants = {}
+        for op in costs.OPS:
+            beyond = (FLAT,) if planner.flat_from[op] <= size else (PLAN, FLAT) if flat else (PLAN,)
+            alive = round_lost[op] == math.inf and size <= costs.MAX_SMALL_BYTES
+            if alive or len(beyond) > 1:
+                entrants[op] = ((ROUND,) if alive else ()) + beyond
+        if not entrants:
             break
-        calls = probe_calls(size)
-        gains = torch.tensor([_flat_gain(planner, calls[op]) for op in ops], dtype=torch.float64)
-        allreduce(gains, "sum")
-        synchronize(gains)
-        flat_from.update((op, float(size)) for op, gain in zip(ops, gains.tolist()) if gain > 0)
-    return flat_from
+        for op, winner in race(size, entrants).items():
+            if ROUND in entrants[op] and winner != ROUND:
+                round_lost[op] = float(size)
+            if winner == FLAT and planner.flat_from[op] > size:
+                planner.flat_from[op] = float(size)
+    return round_lost
 
 
-def _flat_gain(planner: Planner, call: Callable[[], None]) -> float:
-    """The seconds the flat plan's fastest of ``OP_PROBE_ROUNDS`` timed calls (after one
-    untimed) saved against the hierarchical plan's, the two taken in turn."""
-    best = {PLAN: math.inf, FLAT: math.inf}
+def _race(probe_calls: Callable[[int], dict[str, Callable[[], None]]], planner: Planner,
+          allreduce: Callable[[torch.Tensor, str], None], synchronize: Callable[[torch.Tensor], None],
+          size: int, entrants: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """The winner of each op's plans at ``size``: the least of every rank's fastest of
+    ``OP_PROBE_ROUNDS`` timed calls (after one untimed), summed over ranks, the plans taken
+    in turn (not the model's crossover: between its probes its line is extrapolated, and
+    has picked plans where they lost)."""
+    calls, names = probe_calls(size), (ROUND, PLAN, FLAT)
+    fastest = [_fastest(planner, calls[op], plans) for op, plans in entrants.items()]
+    seconds = torch.tensor([[best.get(plan, 0.0) for plan in names] for best in fastest], dtype=torch.float64)
+    allreduce(seconds, "sum")
+    synchronize(seconds)
+    return {op: min(plans, key=lambda plan: row[names.index(plan)])
+            for (op, plans), row in zip(entrants.items(), seconds.tolist())}
+
+
+def _fastest(planner: Planner, call: Callable[[], None], plans: tuple[str, ...]) -> dict[str, float]:
+    """Each plan's fastest of ``OP_PROBE_ROUNDS`` timed calls of ``call``, after one untimed."""
+    best = dict.fromkeys(plans, math.inf)
     try:
         for warm in [True] + [False] * OP_PROBE_ROUNDS:  # a first call allocates: not timed
-            for plan in best:
+            for plan in plans:
                 planner.forced = plan
                 seconds = timed(call, 1)[0]
                 best[plan] = best[plan] if warm else min(best[plan], seconds)
     finally:
         planner.forced = None
-    return best[PLAN] - best[FLAT]
+    return best
+
+
+def _round_limit(model: int, lost_at: float, sizes: list[int]) -> int:
+    """An op's round threshold: the last timed size the round won before it first lost (it
+    lost at the first: the model's, below that size); never lost: the model's or the last
+    timed size, the larger."""
+    won = [size for size in sizes if size < lost_at]
+    if lost_at == math.inf:
+        return max([model, *won])
+    return won[-1] if won else min(model, sizes[0] // 2)
