@@ -79,7 +79,7 @@ def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_ho
     assert any("flat Gloo over every rank" in line and "allreduce >= 5,000 B" in line for line in p.describe())
 
 
-def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_from_where_it_won():
+def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_won():
     import collections
     import time
 
@@ -88,11 +88,11 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_from_wher
     p = planner.Planner(TWO_BY_TWO)
     k256, m1, m4, m16 = 256 << 10, 1 << 20, 4 << 20, 16 << 20
     # the round takes 0.5 ms, the flat plan 1 ms, the hierarchical 3 ms, except: broadcast's
-    # round loses from 1 MiB and its flat op until 16 MiB, reduce's flat op always loses,
-    # allreduce's round loses at 4 MiB (to the flat op)
+    # round loses from 1 MiB and its flat op at 1 and 4 MiB, reduce's flat op loses above
+    # 256 KiB (a slow border), allreduce's round loses at 4 MiB (to the flat op)
     slow = {(planner.ROUND, "broadcast", m1), (planner.ROUND, "broadcast", m4), (planner.ROUND, "allreduce", m4),
             (planner.FLAT, "broadcast", m1), (planner.FLAT, "broadcast", m4),
-            *((planner.FLAT, "reduce", size) for size in (k256, m1, m4, m16))}
+            *((planner.FLAT, "reduce", size) for size in (m1, m4, m16))}
     taken = collections.Counter()
 
     def call(op, nbytes):
@@ -112,11 +112,12 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_from_wher
     every = (planner.ROUND, planner.PLAN, planner.FLAT)
     raced = {**{(op, size): every for op in costs.OPS for size in (k256, m1, m4)},
              ("broadcast", m4): (planner.PLAN, planner.FLAT),  # its round lost at 1 MiB
-             **{(op, m16): (planner.PLAN, planner.FLAT) for op in ("reduce", "broadcast", "allgather", "reducescatter")}}
-    calls = planner.OP_PROBE_ROUNDS + 1  # allreduce is flat from 4 MiB: not raced at 16
+             **{(op, m16): (planner.PLAN, planner.FLAT) for op in costs.OPS}}
+    calls = planner.OP_PROBE_ROUNDS + 1
     assert taken == {(op, size, plan): calls for (op, size), plans in raced.items() for plan in plans}
-    assert p.flat_from == {"allreduce": m4, "reduce": math.inf, "broadcast": m16, "allgather": m16,
-                           "reducescatter": m16}
+    # flat from the lowest rung it won every race from (the round still takes what is below its threshold)
+    assert p.flat_from == {"allreduce": k256, "reduce": math.inf, "broadcast": m16, "allgather": k256,
+                           "reducescatter": k256}
     assert p.small_bytes == {"allreduce": m1, "broadcast": k256, "reduce": m4, "allgather": m4, "reducescatter": m4}
     assert p.plan_of("broadcast", m1) == planner.PLAN and p.plan_of("broadcast", m16) == planner.FLAT
     assert p.plan_of("allreduce", m4) == planner.FLAT and p.plan_of("reduce", 64 << 20) == planner.PLAN

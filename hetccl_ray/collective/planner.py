@@ -163,42 +163,52 @@ def _ladder(topology: Topology, link: costs.LinkCosts, flat_broadcast_s: Optiona
 
 
 def _run_ladder(planner: Planner, sizes: list[int], flat: bool,
-                race: Callable[[int, dict[str, tuple[str, ...]]], dict[str, str]]) -> dict[str, float]:
+                race: Callable[[int, dict[str, tuple[str, ...]]], dict[str, dict[str, float]]]) -> dict[str, float]:
     """Race each op up the ladder: the round while it has not lost (up to its cap), and
-    above it the hierarchical plan against the flat one until the flat one wins (from there
-    on it is taken, in ``planner.flat_from``). Returns the size where each op's round first
-    lost (inf: never)."""
+    the hierarchical plan against the flat one (``flat``: measured) at every rung. The flat
+    plan is taken (``planner.flat_from``) from the lowest rung from which it won every race
+    to the top: on a slow border it wins small broadcasts and loses large ones. Returns the
+    size where each op's round first lost (inf: never)."""
     round_lost = dict.fromkeys(costs.OPS, math.inf)
+    flat_won: dict[str, list[tuple[int, bool]]] = {op: [] for op in costs.OPS}
     for size in sizes:
         entrants = {}
         for op in costs.OPS:
-            beyond = (FLAT,) if planner.flat_from[op] <= size else (PLAN, FLAT) if flat else (PLAN,)
+            beyond = (PLAN, FLAT) if flat else (planner.beyond_round(op, size),)
             alive = round_lost[op] == math.inf and size <= costs.MAX_SMALL_BYTES
             if alive or len(beyond) > 1:
                 entrants[op] = ((ROUND,) if alive else ()) + beyond
         if not entrants:
             break
-        for op, winner in race(size, entrants).items():
-            if ROUND in entrants[op] and winner != ROUND:
+        for op, seconds in race(size, entrants).items():
+            if ROUND in seconds and min(seconds, key=seconds.get) != ROUND:
                 round_lost[op] = float(size)
-            if winner == FLAT and planner.flat_from[op] > size:
-                planner.flat_from[op] = float(size)
+            if flat:
+                flat_won[op].append((size, seconds[FLAT] < seconds[PLAN]))
+    for op, wins in flat_won.items():
+        from_size = math.inf
+        for size, won in reversed(wins):
+            if not won:
+                break
+            from_size = float(size)
+        if wins:
+            planner.flat_from[op] = from_size
     return round_lost
 
 
 def _race(probe_calls: Callable[[int], dict[str, Callable[[], None]]], planner: Planner,
           allreduce: Callable[[torch.Tensor, str], None], synchronize: Callable[[torch.Tensor], None],
-          size: int, entrants: dict[str, tuple[str, ...]]) -> dict[str, str]:
-    """The winner of each op's plans at ``size``: the least of every rank's fastest of
-    ``OP_PROBE_ROUNDS`` timed calls (after one untimed), summed over ranks, the plans taken
-    in turn (not the model's crossover: between its probes its line is extrapolated, and
-    has picked plans where they lost)."""
+          size: int, entrants: dict[str, tuple[str, ...]]) -> dict[str, dict[str, float]]:
+    """Each op's plans raced at ``size``: every rank's fastest of ``OP_PROBE_ROUNDS`` timed
+    calls (after one untimed), the plans taken in turn, summed over ranks (not the model's
+    crossover: between its probes its line is extrapolated, and has picked plans where
+    they lost)."""
     calls, names = probe_calls(size), (ROUND, PLAN, FLAT)
     fastest = [_fastest(planner, calls[op], plans) for op, plans in entrants.items()]
     seconds = torch.tensor([[best.get(plan, 0.0) for plan in names] for best in fastest], dtype=torch.float64)
     allreduce(seconds, "sum")
     synchronize(seconds)
-    return {op: min(plans, key=lambda plan: row[names.index(plan)])
+    return {op: {plan: row[names.index(plan)] for plan in plans}
             for (op, plans), row in zip(entrants.items(), seconds.tolist())}
 
 
