@@ -517,7 +517,15 @@ class TcpBorder(ByteCounter):
         self._listener.listen(128)
         self._local_listener, local = _local_listener() if same_host else (None, "")
         self.address = Address(bind_host, self._listener.getsockname()[1], local)
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name=f"hetccl-accept-{rank}")
+        # the listeners are registered here, not on the thread: a border closed at once would
+        # close them under it (EBADF on the acceptor)
+        selector = selectors.DefaultSelector()
+        for listener in (self._listener, self._local_listener):
+            if listener is not None:
+                listener.setblocking(False)
+                selector.register(listener, selectors.EVENT_READ)
+        self._acceptor = threading.Thread(target=self._accept_loop, args=(selector,), daemon=True,
+                                          name=f"hetccl-accept-{rank}")
         self._acceptor.start()
 
     def __repr__(self) -> str:
@@ -725,16 +733,12 @@ class TcpBorder(ByteCounter):
             old.close()
         return link
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, selector: selectors.BaseSelector) -> None:
         """Accept and authenticate connections on this one thread: handshakes are driven by a
         selector, at most ``_MAX_HANDSHAKES`` at once (the oldest dropped first), each within
         ``_HANDSHAKE_TIMEOUT_S``, so a flood of idle or garbage connections costs sockets for a
         few seconds, never threads."""
-        selector = selectors.DefaultSelector()
         listeners = [sock for sock in (self._listener, self._local_listener) if sock is not None]
-        for listener in listeners:
-            listener.setblocking(False)
-            selector.register(listener, selectors.EVENT_READ)
         pending: "collections.OrderedDict[socket.socket, _Handshake]" = collections.OrderedDict()
         try:
             while not self._closed:
