@@ -25,8 +25,10 @@ LAYOUTS = {
     "one": [("a", 0), ("a", 1), ("a", 2)],                                    # one island
 }
 LAYOUTS.update({f"{name}-zip": LAYOUTS[name] for name in ("two", "three")})  # compress="on": every float
-LAYOUTS.update({f"{name}-flat": LAYOUTS[name] for name in ("two", "three")})  # flat="on": Gloo over every rank
+# flat="on": the flat library over every rank, Gloo ("two-flat", same_host=False) or shared memory
+LAYOUTS.update({f"{name}-flat": LAYOUTS[name] for name in ("two", "three")})
 LAYOUTS["two-tcp"] = LAYOUTS["two"]  # same_host=False: loopback TCP where "two" dials Unix sockets
+SAME_HOST_OFF = ("two-tcp", "two-flat")
 ISLAND_COUNT = {"two": 2, "three": 3, "one": 1, "two-zip": 2, "three-zip": 3, "two-flat": 2, "three-flat": 3,
                 "two-tcp": 2}
 SMALL_BYTES = 16384  # buffers up to this take the small-message round, larger ones the island plans
@@ -34,7 +36,7 @@ SMALL_BYTES = 16384  # buffers up to this take the small-message round, larger o
 
 def across(name: str, nbytes: int, bytes_of_plan: int) -> int:
     """Border bytes of a call of ``nbytes`` (nccl-tests' size) whose hierarchical plan moves
-    ``bytes_of_plan``: a flat group moves what the small round does not through Gloo."""
+    ``bytes_of_plan``: a flat group moves what the small round does not through its library."""
     return 0 if name.endswith("-flat") and nbytes > SMALL_BYTES else bytes_of_plan
 
 
@@ -44,7 +46,7 @@ def actors():
     for name, picks in LAYOUTS.items():
         members = [actors[island][i] for island, i in picks]
         zipped = dict(compress="on", piece_bytes=4096 if name == "three-zip" else 4 << 20) if "zip" in name else {}
-        zipped.update(flat="on" if name.endswith("-flat") else "off", same_host=not name.endswith("-tcp"))
+        zipped.update(flat="on" if name.endswith("-flat") else "off", same_host=name not in SAME_HOST_OFF)
         hetccl_ray.create_collective_group(members, len(members), list(range(len(members))),
                                            group_name=name, timeout_s=60, small_bytes=SMALL_BYTES, **zipped)
     picks = [actors[island][i] for island, i in LAYOUTS["three"]]  # the same ranks, pipelined in small pieces
@@ -298,6 +300,13 @@ def test_islands_come_from_node_labels(actors):
     results = on_all(actors, "three", _barrier_and_topology)
     assert [r[0] for r in results] == ["a", "b", "a", "c", "b", "a"]
     assert results[0][1:] == ([[0, 2, 5], [1, 4], [3]], 1)
+
+
+def test_flat_groups_use_the_library_they_name(actors):
+    """The sweeps above cover both flat libraries: shared memory on one host, Gloo without."""
+    for name, library in (("three-flat", "flat shared memory over every rank"), ("two-flat", "flat Gloo over every rank")):
+        lines = on_all(actors, name, lambda n, rank, world: hetccl_ray.get_group(n).cost_model())
+        assert all(any(library in line for line in rank_lines) for rank_lines in lines), (name, lines)
 
 
 def test_one_island_costs_no_border_traffic(actors):

@@ -41,6 +41,7 @@ class Formed:
     store: Optional[dist.Store]
     store_address: tuple[str, int]
     direct: TcpBorder  # direct transfers (collective/direct.py): links dialled at first use
+    one_host: bool  # every rank shares this host and network namespace (and same-host paths are on)
 
 
 def _generation(group_name: str) -> str:
@@ -100,8 +101,9 @@ def form(world_size: int, rank: int, group_name: str, options: GroupOptions, sto
         tcp.close()
         direct.close()
         raise
+    hosts = {rec["local"].partition("/")[0] for rec in records}
     return Formed(topology, border, transports, rendezvous, store, (records[0]["host"], records[0]["store_port"]),
-                  direct)
+                  direct, options.same_host and len(hosts) == 1 and "" not in hosts)
 
 
 def _records(rendezvous: Rendezvous, world_size: int, rank: int, group_name: str, timeout_s: float,

@@ -31,6 +31,7 @@ from hetccl_ray.collective.checks import ArgumentChecks
 from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
+from hetccl_ray.collective.shm import ShmLibrary
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
 from hetccl_ray.buffers import copy
@@ -89,6 +90,7 @@ class HetCCLGroup(BaseGroup):
         self.topology, self.border, self.transports = formed.topology, formed.border, formed.transports
         self.direct = DirectChannel(formed.direct, group_name, rank, self.options.timeout_s)
         self._rendezvous, self._store, self._store_address = formed.rendezvous, formed.store, formed.store_address
+        self._one_host = formed.one_host
         for peer, choice in self.lane_transports().items():
             logger.info("hetccl group '%s' rank %d -> rank %d: %s (%s)", group_name, rank, peer, choice.transport,
                         choice.why)
@@ -104,7 +106,8 @@ class HetCCLGroup(BaseGroup):
         self._probe_bytes, self._probe_messages = (0, 0, 0, 0), 0
         flat = self.options.flat != "off" and len(self.topology.islands) > 1
         self._flat = self._flat_library() if flat else None
-        self.planner = planner.Planner(self.topology)
+        self.planner = planner.Planner(self.topology, flat_library="shared memory" if isinstance(
+            self._flat, ShmLibrary) else "Gloo")
         planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
@@ -131,10 +134,13 @@ class HetCCLGroup(BaseGroup):
                 "reducescatter": lambda: self.reducescatter([part], [parts])}
 
     def _flat_library(self) -> IslandComm:
-        """Gloo over every rank, ranked in island-major order (the layout of per-rank chunks),
-        so that its one-island plans run on the group's buffers as they are."""
-        order = self.topology.island_major_order()
-        return self._library(devices.HOST, "flat", order.index(self.rank), self.world_size)
+        """Shared memory where every rank shares this host, else Gloo, over every rank ranked
+        in island-major order (the layout of per-rank chunks), so that its one-island plans
+        run on the group's buffers as they are."""
+        rank = self.topology.island_major_order().index(self.rank)
+        shm = (ShmLibrary.create(self._store_of("flat-shm"), rank, self.world_size, self.options.timeout_s)
+               if self._one_host else None)
+        return shm or self._library(devices.HOST, "flat", rank, self.world_size)
 
     @property
     def small_bytes(self) -> dict[str, int]:
@@ -187,11 +193,15 @@ class HetCCLGroup(BaseGroup):
         """A vendor communicator of ``size`` ranks named ``name`` in this group's store."""
         if size == 1:  # a lone rank needs no store connection
             return make_island(device, None, 0, 1, self.options.timeout_s)
-        store = self._store or dist.TCPStore(*self._store_address, None, False,
-                                             timeout=datetime.timedelta(seconds=self.options.timeout_s))
-        self._store = store
-        return make_island(device, dist.PrefixStore(f"{self._rendezvous.prefix}{name}", store), rank, size,
-                           self.options.timeout_s, self.border.address[0], getattr(device, "device", None))
+        return make_island(device, self._store_of(name), rank, size, self.options.timeout_s, self.border.address[0],
+                           getattr(device, "device", None))
+
+    def _store_of(self, name: str) -> dist.Store:
+        """The part of the group's c10d store where the communicator ``name`` meets."""
+        if self._store is None:
+            self._store = dist.TCPStore(*self._store_address, None, False,
+                                        timeout=datetime.timedelta(seconds=self.options.timeout_s))
+        return dist.PrefixStore(f"{self._rendezvous.prefix}{name}", self._store)
 
     def border_stats(self) -> dict[str, Any]:
         """Bytes this rank sent/received over the border, in all and per op, and on the wire

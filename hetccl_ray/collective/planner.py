@@ -47,6 +47,7 @@ class Planner:
     link: Optional[costs.LinkCosts] = None
     flat_link: Optional[costs.LinkCosts] = None
     forced: Optional[str] = None  # ROUND, PLAN or FLAT whatever the size: what calibration times
+    flat_library: str = "Gloo"  # or "shared memory" (every rank on one host: shm.py)
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"round", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests' size).
@@ -67,7 +68,7 @@ class Planner:
                  f"small-message round for: {limits}"]
         if self.flat:
             sizes = ", ".join(f"{op} >= {size:,.0f} B" for op, size in self.flat_from.items() if size < math.inf)
-            lines.append(f"flat Gloo over every rank ({self.flat_link.describe() if self.flat_link else 'flat=on'})"
+            lines.append(f"flat {self.flat_library} over every rank ({self.flat_link.describe() if self.flat_link else 'flat=on'})"
                          f" for: {sizes or 'none'}")
         return lines
 
