@@ -1,6 +1,7 @@
-"""The shared-memory flat library alone: real processes of one host meeting in a real c10d
-TCPStore, every op against numpy, segments growing and halves reused, a late rank, a
-missing rank timing out by name, and nothing left in /dev/shm."""
+"""The shared-memory library alone: real processes of one host meeting in a real c10d
+TCPStore, every op and the call rows against numpy, segments growing, halves reused and
+buffers in pieces, a late rank, a missing rank named (at once when its process is gone,
+else at the deadline), and nothing left in /dev/shm."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 WORLD = 3
-OPS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
+OPS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 
 
 def _free_port() -> int:
@@ -43,33 +44,65 @@ def _expected(op: str, rank: int, n: int, seed: int, root: int) -> np.ndarray:
         out = inputs[rank].copy()
         out[mine] = total[mine]
         return out
+    if op == "alltoall":  # rank r sends rank t block t of its input; blocks of r + t + 1 elements
+        return np.concatenate([inputs[r][_block(r, rank, n)] for r in range(WORLD)])
     return inputs[rank]
+
+
+def _block(r: int, t: int, n: int) -> slice:
+    """Rank r's block for rank t of its input of ``n``: uneven, some empty."""
+    sizes = [(r + u + 1) * n // (3 * WORLD) if (r + u) % 4 else 0 for u in range(WORLD)]
+    return slice(sum(sizes[:t]), sum(sizes[:t + 1]))
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _worker(port: int, rank: int, script: str, late_rank: int, results: "mp.Queue") -> None:
     import torch
     import torch.distributed as dist
 
-    from hetccl_ray.collective.shm import ShmLibrary
+    from hetccl_ray.collective import shm
 
     try:
         store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=datetime.timedelta(seconds=30))
-        lib = ShmLibrary.create(store, rank, WORLD, timeout_s=3.0)
+        store.set(f"pid/{rank}", str(os.getpid()))
+        pids = {r: int(store.get(f"pid/{r}")) for r in range(WORLD)}
+        gone = (lambda r: _exited(pids[r])) if script == "dead" else (lambda r: False)
+        lib = shm.ShmLibrary.create(store, rank, WORLD, row_width=8, timeout_s=3.0 if script != "dead" else 60.0,
+                                    gone=gone)
         assert lib is not None, "one host: the library must form"
-        if script == "missing" and rank == WORLD - 1:
+        if script in ("missing", "dead") and rank == WORLD - 1:
             results.put((rank, "absent"))
             return
+        shm.PIECE_BYTES = 256 << 10  # 300,000 floats go in pieces
         wrong = []
         for i, n in enumerate([3, 96, 300, 40_002, 12, 300_000, 96, 3]):  # grows, shrinks, reuses halves
+            rows = lib.rows([i, rank, n] + [rank] * (rank % 3))  # rows of different lengths
+            if rows != {r: [i, r, n] + [r] * (r % 3) for r in range(WORLD)}:
+                wrong.append(("rows", n))
             for op in OPS:
                 seed, root = i * 10 + OPS.index(op), i % WORLD
                 buf = torch.from_numpy(_values(rank, n, seed))
                 if rank == late_rank:
                     time.sleep(0.01)  # arrive last: the others must wait at the barrier
                 counts = [n // WORLD] * WORLD
-                {"allreduce": lambda: lib.allreduce(buf, "sum"), "reduce": lambda: lib.reduce(buf, root, "sum"),
-                 "broadcast": lambda: lib.broadcast(buf, root), "allgather": lambda: lib.allgather(buf, counts),
-                 "reduce_scatter": lambda: lib.reduce_scatter(buf, counts, "sum")}[op]()
+                if op == "alltoall":
+                    blocks = [[_block(r, t, n) for t in range(WORLD)] for r in range(WORLD)]
+                    sizes = [[b.stop - b.start for b in row] for row in blocks]
+                    outs = [torch.full((sizes[r][rank],), -1.0) for r in range(WORLD)]
+                    lib.alltoall(outs, [buf[b] for b in blocks[rank]], sizes)
+                    buf = torch.cat(outs)
+                else:
+                    {"allreduce": lambda: lib.allreduce(buf, "sum"), "reduce": lambda: lib.reduce(buf, root, "sum"),
+                     "broadcast": lambda: lib.broadcast(buf, root), "allgather": lambda: lib.allgather(buf, counts),
+                     "reduce_scatter": lambda: lib.reduce_scatter(buf, counts, "sum")}[op]()
                 if not np.array_equal(buf.numpy(), _expected(op, rank, n, seed, root)):
                     wrong.append((op, n))
         lib.close()
@@ -108,3 +141,12 @@ def test_a_missing_rank_times_out_by_name():
     assert out[WORLD - 1] == "absent"
     for rank in range(WORLD - 1):
         assert "HetCCLTimeoutError" in out[rank] and f"ranks [{WORLD - 1}] did not arrive" in out[rank], out
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux shared memory)")
+def test_a_dead_rank_is_named_long_before_the_deadline():
+    start = time.monotonic()
+    out = _run("dead")
+    assert time.monotonic() - start < 40  # the deadline is 60 s
+    for rank in range(WORLD - 1):
+        assert "HetCCLPeerError" in out[rank] and f"ranks [{WORLD - 1}] are gone" in out[rank], out

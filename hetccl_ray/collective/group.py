@@ -26,7 +26,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
 from hetccl_ray import devices
 from hetccl_ray.collective import plans, planner, rounds, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
-from hetccl_ray.collective.calls import Call
+from hetccl_ray.collective.calls import ROW_WIDTH, Call
 from hetccl_ray.collective.checks import ArgumentChecks
 from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
@@ -106,8 +106,11 @@ class HetCCLGroup(BaseGroup):
         self._probe_bytes, self._probe_messages = (0, 0, 0, 0), 0
         flat = self.options.flat != "off" and len(self.topology.islands) > 1
         self._flat = self._flat_library() if flat else None
-        self.planner = planner.Planner(self.topology, flat_library="shared memory" if isinstance(
-            self._flat, ShmLibrary) else "Gloo")
+        self._shared = self._flat if isinstance(self._flat, ShmLibrary) else None
+        if self._shared is not None:  # one host: every call checked and CPU data moved in shared memory
+            self.planner = planner.shared_memory(self.topology)
+            return
+        self.planner = planner.Planner(self.topology)
         planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
@@ -138,7 +141,9 @@ class HetCCLGroup(BaseGroup):
         in island-major order (the layout of per-rank chunks), so that its one-island plans
         run on the group's buffers as they are."""
         rank = self.topology.island_major_order().index(self.rank)
-        shm = (ShmLibrary.create(self._store_of("flat-shm"), rank, self.world_size, self.options.timeout_s)
+        order = self.topology.island_major_order()
+        shm = (ShmLibrary.create(self._store_of("shm"), rank, self.world_size, ROW_WIDTH + 2 * self.world_size,
+                                 self.options.timeout_s, lambda i: self.border.gone(order[i]))
                if self._one_host else None)
         return shm or self._library(devices.HOST, "flat", rank, self.world_size)
 
@@ -270,7 +275,8 @@ class HetCCLGroup(BaseGroup):
                                     plans.LazyIsland(lambda: self._island_for(device)), self.border,
                                     call.tag(),
                                     time.monotonic() + self.options.timeout_s, self._scratch, self._pipeline,
-                                    self.options.piece_bytes, self.border.default, device, stream)
+                                    self.options.piece_bytes, self.border.default, device, stream,
+                                    shared=self._shared)
             try:
                 with device.using(stream):
                     problem = self._dispatch(ctx, call, body, peer, check, staged, before, after)
@@ -455,9 +461,10 @@ class HetCCLGroup(BaseGroup):
         agreed: dict[str, Any] = {"counts": [[mine[0]]], "ahead": None}  # a group of one: nothing to agree with
 
         def check(ctx: PlanContext, call: Call) -> Optional[str]:
-            agreed["ahead"] = ahead = plans.SentAhead(ctx, inputs)
-            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine, then=ahead.send)
-            if problem is not None:
+            # blocks go ahead over the border during its round; on one host, after the check
+            agreed["ahead"] = ahead = plans.SentAhead(ctx, inputs) if ctx.shared is None else None
+            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine, then=ahead.send if ahead else None)
+            if problem is not None and ahead is not None:
                 ahead.wait()  # every receiver drains what came ahead
             return problem
 

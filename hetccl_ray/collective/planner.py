@@ -2,7 +2,8 @@
 
 Candidates per call: the small round (tree.py, 3 hops, call rows inside), the hierarchical
 plan (schedule.py), and the flat plan (one library over every rank: Gloo, for CPU tensors
-on every rank, after the rows check). The choice reads only the call's op and size, the
+on every rank, after the rows check; shared memory where every rank shares a host, which
+then also checks every call and leaves no round). The choice reads only the call's op and size, the
 agreed rows and what formation measured and agreed (the worst of every rank's link costs,
 costs.py, and the timed races of the plans, summed over ranks), never the local tensor, so
 every rank of a group of GPU and CPU islands takes the same plan.
@@ -63,13 +64,14 @@ class Planner:
 
     def describe(self) -> list[str]:
         """The link costs and the plan each op takes by size, as lines for a header."""
-        limits = ", ".join(f"{op} <= {size:,} B" for op, size in self.small_bytes.items())
-        lines = [f"cost model: {self.link.describe() if self.link else 'small_bytes option'}",
-                 f"small-message round for: {limits}"]
+        shared = self.flat_library == "shared memory"
+        limits = ", ".join(f"{op} <= {size:,} B" for op, size in self.small_bytes.items() if size >= 0) or "none"
+        measured = self.link.describe() if self.link else "one host, not measured" if shared else "small_bytes option"
+        lines = [f"cost model: {measured}", f"small-message round for: {limits}"]
         if self.flat:
             sizes = ", ".join(f"{op} >= {size:,.0f} B" for op, size in self.flat_from.items() if size < math.inf)
-            lines.append(f"flat {self.flat_library} over every rank ({self.flat_link.describe() if self.flat_link else 'flat=on'})"
-                         f" for: {sizes or 'none'}")
+            how = self.flat_link.describe() if self.flat_link else "every call checked there too" if shared else "flat=on"
+            lines.append(f"flat {self.flat_library} over every rank ({how}) for: {sizes or 'none'}")
         return lines
 
 
@@ -100,6 +102,13 @@ def _probes(broadcasts: list[Callable[[torch.Tensor], None]], rounds: int) -> li
             for fn, out in zip(broadcasts, times):
                 out[size] += timed(lambda: fn(probe), 1)
     return times
+
+
+def shared_memory(topology: Topology) -> Planner:
+    """The plan choice of a group on one host (shm.py): no round, the flat plan at every size
+    for CPU tensors (no socket is faster than shared memory), the hierarchical one for devices."""
+    return Planner(topology, dict.fromkeys(costs.OPS, -1), True, dict.fromkeys(costs.OPS, 0.0),
+                   flat_library="shared memory")
 
 
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],

@@ -118,6 +118,11 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     across once per island pair and lane, scattered inside; in pieces whose border stage
     overlaps the island stages."""
     me = ctx.rank
+    if ctx.shared is not None and ctx.every_rank_on_host():  # one host: through shared memory
+        order = ctx.topo.island_major_order()
+        ctx.shared.alltoall([outputs[r] for r in order], [inputs[t] for t in order],
+                            [[counts[r][t] for t in order] for r in order])
+        return
     ctx.launch(copy, outputs[me], inputs[me])
     host = {r for r, row in (ctx.rows or {}).items() if on_host(row)}
     straight = [(t, inputs[t]) for t in range(ctx.topo.world_size) if t != me] if me in host and ahead is None else []

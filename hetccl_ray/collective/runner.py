@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,7 @@ class PlanContext:
     stream: Optional[StreamLike] = None  # the op's side stream on that device
     rows: Optional[dict[int, list[int]]] = None  # every rank's call row, once a round agreed them
     flat: Optional[IslandComm] = None  # the library over every rank, when the planner chose the flat plan
+    shared: Any = None  # every rank on one host: the shared-memory library (shm.py) checks calls and moves CPU data
 
     def __post_init__(self) -> None:
         self.vendor = self.island  # the island library itself; ``island`` launches on the stream

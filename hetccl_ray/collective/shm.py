@@ -1,17 +1,21 @@
-"""The flat library of one host: collectives over every rank through shared memory.
+"""The library of one host: collectives over every rank through shared memory.
 
 Where every rank of a group shares a host (and network namespace: the shaped bench's
-islands do not), the flat plan need not go through Gloo's loopback sockets: each rank
-copies its input into its own segment in /dev/shm, waits at a barrier of counters in a
-shared control segment, and reads its peers' segments (NCCL's SHM transport, for CPU
-tensors). Allreduce and reduce reduce one slice per rank in place, then copy the slices
-out after a second barrier; every rank gets the same bytes.
+islands do not), CPU tensors need neither Gloo's loopback sockets nor the border's round
+(NCCL's SHM transport, for host memory). Each rank has a control slot in a shared control
+segment (a step counter and its call rows) and a data segment in /dev/shm. A step is a
+barrier: a rank stores its counter, then waits until every rank's has reached it. The call
+check is one step whose rows every rank reads; then each op copies its input into its own
+segment, steps, and reads its peers' (allreduce and reduce fold one slice per rank in place,
+step again and copy the slices out: every rank gets the same bytes).
 
-Segments are double-buffered by op parity: a rank rewrites a half two ops later, after the
-next op's first barrier proved every rank done reading it. Files are unlinked as soon as
-every rank has mapped them, so nothing is left in /dev/shm when a process dies. Counter
-stores are ordered after the data stores only on x86-64 (total store order); elsewhere the
-group keeps Gloo.
+Rows and data are double-buffered by parity: a rank rewrites one two checks later, after
+the next check proved every rank done reading it. A rank that must wait yields its core a
+few times, then sleeps on its own named pipe; the last to arrive writes a byte to every waiter's (no core spins, which on a
+host with more ranks than cores would take the time of the ranks being waited for). Buffers over ``PIECE_BYTES`` go in pieces,
+so segments stay bounded. Files are unlinked once every rank has mapped them: nothing is left
+in /dev/shm when a process dies. Counter stores are ordered after the data stores only on
+x86-64 (total store order); elsewhere the group keeps Gloo and the border's round.
 """
 
 from __future__ import annotations
@@ -20,22 +24,25 @@ import mmap
 import os
 import platform
 import secrets
+import select
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from hetccl_ray.buffers import combine, copy
-from hetccl_ray.collective.island import ranges
-from hetccl_ray.errors import HetCCLError, HetCCLTimeoutError
+from hetccl_ray.buffers import combine, copy, view
+from hetccl_ray.errors import HetCCLError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.topology import split
 
+Span = tuple[int, int]
 _DIR = "/dev/shm"
-_STRIDE = 8  # int64 words per rank in the control segment: one cache line each
 _MIN_HALF = 64 << 10
-_SPIN = 64  # polls that yield the CPU before the barrier sleeps between polls
+PIECE_BYTES = 64 << 20  # the largest half of a segment: bigger buffers go in pieces
+_SPIN = 32  # polls that yield the core before a waiting rank sleeps on its pipe
+_RECHECK_S = 0.002  # a waiting rank looks again this often, had its wake-up been missed
+_LIVENESS_S = 0.05  # how often a waiting step asks whether a late rank's process is gone
 
 
 def _mapped(path: str, nbytes: int, create: bool) -> np.ndarray:
@@ -50,65 +57,141 @@ def _mapped(path: str, nbytes: int, create: bool) -> np.ndarray:
         os.close(fd)
 
 
-class ShmLibrary:
-    """The flat plan's ops (allreduce, reduce, broadcast, allgather, reduce_scatter) over
-    ``size`` ranks of one host; ``create`` makes it where every rank can map a common file."""
+def _spans(counts: Sequence[int]) -> list[Span]:
+    out, offset = [], 0
+    for count in counts:
+        out.append((offset, count))
+        offset += count
+    return out
 
-    def __init__(self, prefix: str, control: np.ndarray, rank: int, size: int, timeout_s: float) -> None:
-        self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self._prefix, self._words = prefix, control.view(np.int64)
-        self._arrived = self._words[:size * _STRIDE:_STRIDE]
-        self._failed = self._words[size * _STRIDE:]  # one word: 1 + the rank that failed
-        self._steps, self._ops, self._half, self._generation = 0, 0, 0, 0
+
+def _piece(span: Span, q: int, count: int) -> Span:
+    offset, length = span
+    part_offset, part_length = split(length, count)[q]
+    return offset + part_offset, part_length
+
+
+class ShmLibrary:
+    """Call rows and the ops (allreduce, reduce, broadcast, allgather, reduce_scatter,
+    alltoall) over ``size`` ranks of one host; ``create`` makes it where every rank maps
+    a common file. ``row_width``: the most ints a call row holds."""
+
+    def __init__(self, prefix: str, control: np.ndarray, wakes: list[int], rank: int, size: int, row_width: int,
+                 timeout_s: float, gone: Callable[[int], bool]) -> None:
+        self.rank, self.size, self.timeout_s, self._gone, self._wakes = rank, size, timeout_s, gone, wakes
+        self._prefix, self._width = prefix, row_width + 1  # a row: its length, then its ints
+        self._slot = 8 + 2 * -(-self._width // 8) * 8  # the counter's cache line, then two rows
+        words = control.view(np.int64)
+        self._slots = words[:size * self._slot].reshape(size, self._slot)
+        self._arrived = self._slots[:, 0]
+        self._failed = words[size * self._slot:]  # one word: 1 + the rank that failed
+        self._steps, self._checks, self._ops, self._half, self._generation = 0, 0, 0, 0, 0
         self._segments: list[torch.Tensor] = []
 
+    @staticmethod
+    def control_bytes(size: int, row_width: int) -> int:
+        return (size * (8 + 2 * -(-(row_width + 1) // 8) * 8) + 8) * 8
+
     @classmethod
-    def create(cls, store: "dist.Store", rank: int, size: int, timeout_s: float) -> Optional["ShmLibrary"]:
+    def create(cls, store: "dist.Store", rank: int, size: int, row_width: int, timeout_s: float,
+               gone: Callable[[int], bool] = lambda rank: False) -> Optional["ShmLibrary"]:
         """The library where every rank maps rank 0's control file (one /dev/shm: the same
-        host and IPC namespace), else None on every rank (they agree through ``store``)."""
-        path, control = "", None
+        host and IPC namespace), else None on every rank (they agree through ``store``).
+        ``gone(rank)``: whether that rank's process is known dead (a step then fails at once)."""
+        path, control, nbytes = "", None, cls.control_bytes(size, row_width)
         if rank == 0:
             path = f"{_DIR}/hetccl-{secrets.token_hex(8)}"
-            control = cls._try(lambda: _mapped(path + "-control", (size + 1) * _STRIDE * 8, True))
+            control = cls._try(lambda: _mapped(path + "-control", nbytes, True))
             store.set("shm/path", path if control is not None else "")
         else:
             path = store.get("shm/path").decode()
             if path:
-                control = cls._try(lambda: _mapped(path + "-control", (size + 1) * _STRIDE * 8, False))
-        usable = platform.machine() in ("x86_64", "AMD64") and control is not None
+                control = cls._try(lambda: _mapped(path + "-control", nbytes, False))
+        wake = f"{path}-wake-{rank}"
+        mine = cls._try(lambda: (os.mkfifo(wake, 0o600), os.open(wake, os.O_RDWR | os.O_NONBLOCK))[1]) if path else None
+        usable = platform.machine() in ("x86_64", "AMD64") and control is not None and mine is not None
         store.set(f"shm/ok/{rank}", "1" if usable else "0")
         agreed = all(store.get(f"shm/ok/{r}") == b"1" for r in range(size))
+        wakes = [mine if r == rank else os.open(f"{path}-wake-{r}", os.O_WRONLY | os.O_NONBLOCK)
+                 for r in range(size)] if agreed else []
+        store.set(f"shm/open/{rank}", "1")
+        for r in range(size):
+            store.get(f"shm/open/{r}")  # every rank has opened every pipe (or given up)
+        if mine is not None:
+            os.unlink(wake)
         if rank == 0 and path:
-            os.unlink(path + "-control")  # every rank has mapped it (or given up)
-        return cls(path, control, rank, size, timeout_s) if agreed else None
+            os.unlink(path + "-control")
+        if not agreed:
+            if mine is not None:
+                os.close(mine)
+            return None
+        return cls(path, control, wakes, rank, size, row_width, timeout_s, gone)
 
     @staticmethod
-    def _try(make) -> Optional[np.ndarray]:
+    def _try(make):
         try:
             return make()
         except OSError:
             return None
 
-    # -- synchronisation ----------------------------------------------------------------------------
+    # -- steps and rows -----------------------------------------------------------------------------
 
-    def _barrier(self, what: str) -> None:
-        """Arrive at the next step and wait until every rank has (before the deadline)."""
+    def _step(self, what: str) -> None:
+        """Arrive at the next step and wait until every rank has (before the deadline; a rank
+        whose process is gone fails it at once)."""
         self._steps += 1
         step = self._steps
         self._arrived[self.rank] = step
-        deadline, polls = time.monotonic() + self.timeout_s, 0
-        while not (self._arrived >= step).all():
+        if (self._arrived >= step).all():  # the last to arrive: wake the others
+            for r, wake in enumerate(self._wakes):
+                if r != self.rank:
+                    try:
+                        os.write(wake, b"\0")
+                    except BlockingIOError:  # its pipe is full of wake-ups: it is awake
+                        pass
+            return
+        for _ in range(_SPIN):
+            os.sched_yield()
+            if (self._arrived >= step).all():
+                return
+        start = asked = time.monotonic()
+        while True:
+            select.select([self._wakes[self.rank]], [], [], _RECHECK_S)
+            try:
+                os.read(self._wakes[self.rank], 4096)
+            except BlockingIOError:
+                pass
+            if (self._arrived >= step).all():
+                return
             if self._failed[0]:
-                raise HetCCLError(f"shared-memory {what}: rank {int(self._failed[0]) - 1} failed")
-            polls += 1
-            if polls < _SPIN:
-                os.sched_yield()
-                continue
-            if time.monotonic() > deadline:
-                late = [r for r in range(self.size) if self._arrived[r] < step]
+                raise HetCCLPeerError(f"shared-memory {what}: rank {int(self._failed[0]) - 1} failed")
+            now = time.monotonic()
+            late = [r for r in range(self.size) if self._arrived[r] < step]
+            if now - asked > _LIVENESS_S:
+                asked = now
+                dead = [r for r in late if self._gone(r)]
+                if dead:
+                    raise HetCCLPeerError(f"shared-memory {what}: ranks {dead} are gone (their connections "
+                                          f"closed)")
+            if now - start > self.timeout_s:
                 raise HetCCLTimeoutError(f"shared-memory {what}: ranks {late} did not arrive within "
                                          f"{self.timeout_s:.1f}s", late[0])
-            time.sleep(20e-6)
+
+    def rows(self, row: Sequence[int]) -> dict[int, list[int]]:
+        """Every rank's row (this rank's is ``row``): the call check, and a step."""
+        if len(row) >= self._width:
+            raise HetCCLError(f"a call row of {len(row)} ints is wider than the {self._width - 1} this group holds")
+        self._checks += 1
+        at = 8 + (self._checks % 2) * (self._slot - 8) // 2
+        mine = self._slots[self.rank, at:at + self._width]
+        mine[0], mine[1:1 + len(row)] = len(row), row
+        self._step("call check")
+        return {r: self._slots[r, at + 1:at + 1 + int(self._slots[r, at])].tolist() for r in range(self.size)}
+
+    def barrier(self) -> None:
+        self._step("barrier")
+
+    # -- data ---------------------------------------------------------------------------------------
 
     def _grow(self, nbytes: int) -> None:
         """Every rank's segment holds two halves of at least ``nbytes`` (all ranks grow at the
@@ -124,47 +207,38 @@ class ShmLibrary:
             self._failed[0] = self.rank + 1
             raise HetCCLError(f"shared-memory segment of {2 * half} B on rank {self.rank}: {exc}") from exc
         try:
-            self._barrier("segment growth")  # every rank's new segment exists; the old ones are read
+            self._step("segment growth")  # every rank's new segment exists; the old ones are read
             self._segments = [torch.from_numpy(mine if r == self.rank else _mapped(name(r), 2 * half, False))
                               for r in range(self.size)]
-            self._barrier("segment growth")  # every rank mapped every segment
+            self._step("segment growth")  # every rank mapped every segment
         finally:
             os.unlink(name(self.rank))
         self._half = half
 
-    def _regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Each rank's half for this op, as ``buf``'s dtype and length."""
-        self._grow(buf.nbytes)
+    def _regions(self, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each rank's next half, as ``dtype``; ``nbytes``: the most any rank writes (agreed)."""
+        self._grow(nbytes)
         self._ops += 1
         start = (self._ops % 2) * self._half
-        return [seg[start:start + buf.nbytes].view(buf.dtype) for seg in self._segments]
+        return [seg[start:start + self._half].view(dtype) for seg in self._segments]
+
+    @staticmethod
+    def _count(nbytes: int) -> int:
+        """Pieces of at most ``PIECE_BYTES`` for ``nbytes`` (one for none)."""
+        return max(-(-nbytes // PIECE_BYTES), 1)
 
     # -- the ops ------------------------------------------------------------------------------------
 
     def broadcast(self, buf: torch.Tensor, root: int) -> None:
-        regions = self._regions(buf)
-        if self.rank == root:
-            copy(regions[root], buf)
-        self._barrier("broadcast")
-        if self.rank != root:
-            copy(buf, regions[root])
-
-    def allgather(self, buf: torch.Tensor, counts: Sequence[int]) -> None:
-        regions, spans = self._regions(buf), ranges(counts)
-        offset, count = spans[self.rank]
-        copy(regions[self.rank][offset:offset + count], buf[offset:offset + count])
-        self._barrier("allgather")
-        for r, (offset, count) in enumerate(spans):
-            if r != self.rank:
-                copy(buf[offset:offset + count], regions[r][offset:offset + count])
-
-    def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
-        """This rank's range of ``buf`` (its own values already) folds in every peer's."""
-        regions = self._regions(buf)
-        copy(regions[self.rank], buf)
-        self._barrier("reduce_scatter")
-        offset, count = ranges(counts)[self.rank]
-        self._fold(buf[offset:offset + count], regions, offset, count, op)
+        count = self._count(buf.nbytes)
+        for q in range(count):
+            part = view(buf, _piece((0, buf.numel()), q, count))
+            regions = self._regions(part.nbytes, buf.dtype)
+            if self.rank == root:
+                copy(regions[root][:part.numel()], part)
+            self._step("broadcast")
+            if self.rank != root:
+                copy(part, regions[root][:part.numel()])
 
     def allreduce(self, buf: torch.Tensor, op: str) -> None:
         self._reduce(buf, op, None)
@@ -173,26 +247,72 @@ class ShmLibrary:
         self._reduce(buf, op, root)
 
     def _reduce(self, buf: torch.Tensor, op: str, root: Optional[int]) -> None:
-        """Each rank reduces its slice in its own segment; after the second barrier every rank
+        """Each rank reduces its slice in its own segment; after the second step every rank
         (``root`` only, for reduce) copies the slices out."""
-        regions, slices = self._regions(buf), split(buf.numel(), self.size)
-        copy(regions[self.rank], buf)
-        self._barrier("allreduce" if root is None else "reduce")
-        offset, count = slices[self.rank]
-        self._fold(regions[self.rank][offset:offset + count], regions, offset, count, op)
-        self._barrier("allreduce" if root is None else "reduce")
-        if root is None or root == self.rank:
-            for r, (offset, count) in enumerate(slices):
-                copy(buf[offset:offset + count], regions[r][offset:offset + count])
+        what, count = "allreduce" if root is None else "reduce", self._count(buf.nbytes)
+        for q in range(count):
+            part = view(buf, _piece((0, buf.numel()), q, count))
+            regions, slices = self._regions(part.nbytes, buf.dtype), split(part.numel(), self.size)
+            copy(regions[self.rank][:part.numel()], part)
+            self._step(what)
+            self._fold(view(regions[self.rank], slices[self.rank]), regions, slices[self.rank], op)
+            self._step(what)
+            if root is None or root == self.rank:
+                for region, span in zip(regions, slices):
+                    copy(view(part, span), view(region, span))
 
-    def _fold(self, target: torch.Tensor, regions: list[torch.Tensor], offset: int, count: int, op: str) -> None:
-        """``target`` (this rank's values) op= every peer's range, in rank order."""
+    def allgather(self, buf: torch.Tensor, counts: Sequence[int]) -> None:
+        """Each rank's range of ``buf`` to every rank."""
+        spans, itemsize = _spans(counts), buf.element_size()
+        count = self._count(max(counts) * itemsize)
+        for q in range(count):
+            parts = [_piece(span, q, count) for span in spans]
+            regions = self._regions(max(n for _, n in parts) * itemsize, buf.dtype)
+            copy(view(regions[self.rank], (0, parts[self.rank][1])), view(buf, parts[self.rank]))
+            self._step("allgather")
+            for r, (region, span) in enumerate(zip(regions, parts)):
+                if r != self.rank:
+                    copy(view(buf, span), view(region, (0, span[1])))
+
+    def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
+        """This rank's range of ``buf`` (its own values already) folds in every peer's."""
+        spans = _spans(counts)
+        count = self._count(buf.nbytes)
+        for q in range(count):
+            parts = [_piece(span, q, count) for span in spans]
+            regions = self._regions(sum(n for _, n in parts) * buf.element_size(), buf.dtype)
+            at = _spans([n for _, n in parts])
+            for span, slot in zip(parts, at):
+                copy(view(regions[self.rank], slot), view(buf, span))
+            self._step("reduce_scatter")
+            self._fold(view(buf, parts[self.rank]), regions, at[self.rank], op)
+
+    def alltoall(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                 counts: Sequence[Sequence[int]]) -> None:
+        """``inputs[t]`` to rank t, ``outputs[r]`` from rank r; ``counts[r][t]``: what r sends t
+        (agreed by every rank's rows)."""
+        like = inputs[self.rank]
+        count = self._count(max(sum(row) for row in counts) * like.element_size())
+        for q in range(count):
+            parts = [[_piece((0, n), q, count) for n in row] for row in counts]
+            slots = [_spans([n for _, n in row]) for row in parts]
+            regions = self._regions(max(sum(n for _, n in row) for row in parts) * like.element_size(), like.dtype)
+            for t, (span, slot) in enumerate(zip(parts[self.rank], slots[self.rank])):
+                target = view(outputs[t], span) if t == self.rank else view(regions[self.rank], slot)
+                copy(target, view(inputs[t], span))
+            self._step("alltoall")
+            for r in range(self.size):
+                if r != self.rank:
+                    copy(view(outputs[r], parts[r][self.rank]), view(regions[r], slots[r][self.rank]))
+
+    def _fold(self, target: torch.Tensor, regions: list[torch.Tensor], span: Span, op: str) -> None:
+        """``target`` (this rank's values) op= every peer's ``span``, in rank order."""
         for r, region in enumerate(regions):
             if r != self.rank:
-                combine(target, region[offset:offset + count], op)
-
-    def barrier(self) -> None:
-        self._barrier("barrier")
+                combine(target, view(region, span), op)
 
     def close(self) -> None:
         self._segments = []
+        for wake in self._wakes:
+            os.close(wake)
+        self._wakes = []

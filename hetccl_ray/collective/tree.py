@@ -101,16 +101,17 @@ def run(ctx, call: Call, plan: rounds.Round, buffers: dict[str, torch.Tensor], o
     return problem
 
 
-def _verdict(ctx, rows: Rows, spilled: bool) -> Optional[str]:
-    """Who called what when the ranks disagree (after draining what they sent ahead); a size
-    that differs although the calls agree would be a bug in the plans, so it is an error too."""
+def _verdict(ctx, rows: Rows, spilled: bool = False) -> Optional[str]:
+    """Who called what when the ranks disagree (after draining what they sent ahead over the
+    border); a size that differs although the calls agree would be a bug in the plans, so it
+    is an error too."""
     topo = ctx.topo
     ctx.rows = rows
     problem = disagreement([Call.decode(rows[r][:ROW_WIDTH]) for r in range(topo.world_size)],
                            [island.ranks for island in topo.islands])
     if problem is None and spilled:
         raise HetCCLMismatchError("a message had another size than the agreed call implies")
-    if problem is not None:
+    if problem is not None and ctx.shared is None:
         drain(ctx, rows)
     return problem
 
@@ -144,9 +145,16 @@ def small(ctx, call: Call, buf: torch.Tensor, out: Optional[torch.Tensor] = None
     return run(ctx, call, plan, {"buf": buf} if out is None else {"buf": buf, "out": out}, call.reduce)
 
 
-def check(ctx, call: Call) -> Optional[str]:
-    """The round with no data: every rank learns every call (and it is a barrier)."""
-    return run(ctx, call, rounds.build(ctx.topo, ctx.rank, "check"), {})
+def check(ctx, call: Call, rows: Optional[Rows] = None, then: Optional[Callable[[int], None]] = None) -> Optional[str]:
+    """The round with no data: every rank learns every call (and it is a barrier). On one
+    host it is a step of the shared-memory library, whose rows are in island-major order.
+    ``rows``, ``then``: as :func:`run`'s."""
+    rows = rows if rows is not None else {ctx.rank: call.encode()}
+    if ctx.shared is None:
+        return run(ctx, call, rounds.build(ctx.topo, ctx.rank, "check"), {}, rows=rows, then=then)
+    order = ctx.topo.island_major_order()
+    rows.update({order[i]: row for i, row in ctx.shared.rows(rows[ctx.rank]).items()})
+    return _verdict(ctx, rows)
 
 
 def alltoall_counts(ctx, call: Call, mine: list[int],
@@ -157,12 +165,12 @@ def alltoall_counts(ctx, call: Call, mine: list[int],
     ``then``: as :func:`run`'s."""
     world = ctx.topo.world_size
     rows = {ctx.rank: call.encode() + list(mine)}
-    problem = run(ctx, call, rounds.build(ctx.topo, ctx.rank, "check"), {}, rows=rows, then=then)
+    problem = check(ctx, call, rows, then)
     if problem is not None:
         return problem, []
     extra = {rank: row[ROW_WIDTH:] for rank, row in rows.items()}
     counts = [extra[r][:world] for r in range(world)]
     problem = routes.mismatched(counts, [extra[t][world:] for t in range(world)])
-    if problem is not None:
+    if problem is not None and ctx.shared is None:
         drain(ctx, rows)
     return problem, counts

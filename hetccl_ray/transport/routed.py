@@ -51,6 +51,10 @@ class RoutedBorder:
         """Each compressing link's choice and estimates, by peer (TCP links only)."""
         return self.default.compression()
 
+    def gone(self, peer: int) -> bool:
+        """Whether ``peer``'s TCP link says its process is gone (every rank has one)."""
+        return self.default.gone(peer)
+
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
         return self.routes.get(peer, self.default).isend(peer, buf, tag)
 

@@ -635,6 +635,12 @@ class TcpBorder(ByteCounter):
             poll = _POLL_S if len(waiting) == len(links) else 0.001  # busy links: look again soon
             select.select(waiting, [], [], min(left, poll))
 
+    def gone(self, peer: int) -> bool:
+        """Whether the idle link to ``peer`` failed or its peer closed it (its process died)."""
+        with self._cond:
+            link = self._links.get(peer)
+            return link is not None and (link.error is not None or _closed_by_peer(link))
+
     def drop(self, peer: int, error: BaseException) -> None:
         """End the link to ``peer`` now: its queued messages fail with ``error`` and the peer
         sees the connection close (an aborted or timed-out transfer leaves no stream out of step)."""
