@@ -161,7 +161,7 @@ COLLS = {c.name: c for c in (
          lambda x, out, w: list(out.chunk(w)),
          lambda inputs, w, r: _moved([x.chunk(w)[r] for x in inputs]), None,
          lambda topo, nbytes: nbytes // topo.world_size * len(_cross_pairs(topo)),
-         "S/n per ordered pair of ranks in different islands (S per rank)", chunked=True, plan="direct"),
+         "S/n per ordered pair of ranks in different islands (S per rank)", chunked=True),
 )}
 OPS = tuple(COLLS)
 

@@ -266,32 +266,37 @@ def _destroy(name):
     return _hetccl_threads()
 
 
-def test_dead_peer_fails_the_others_and_the_group_is_recreated(env):
+@pytest.mark.parametrize("flat", ["off", "auto"])  # the border's sockets, or one host's shared memory
+def test_dead_peer_fails_the_others_and_the_group_is_recreated(env, flat):
     cluster, actors = env
     survivors = [actors["a"][3], actors["b"][3]]
     victim = cluster.workers(["b"])[0]
-    group = survivors + [victim]
-    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name="mortal", timeout_s=20)
-    victim.call.remote(_block_forever, "mortal", 2)
-    refs = [a.call.remote(_allreduce_expecting_failure, "mortal", r) for r, a in enumerate(survivors)]
+    group, name = survivors + [victim], f"mortal-{flat}"
+    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name=name, timeout_s=20, flat=flat)
+    victim.call.remote(_block_forever, name, 2)
+    refs = [a.call.remote(_allreduce_expecting_failure, name, r) for r, a in enumerate(survivors)]
     time.sleep(3)
     ray.kill(victim)
     results = ray.get(refs, timeout=60)
     for message, elapsed, later in results:
         assert message != "no error"
         assert elapsed < 3 + 10, message  # the kill comes 3 s in; far inside the 20 s deadline
-        assert "allreduce #2 in group 'mortal'" in message, message
+        assert f"allreduce #2 in group '{name}'" in message, message
         assert "ranks that did not arrive: [2]" in message, message
         assert "is broken by an earlier failure" in later and "allreduce #2" in later, later
-    assert "connection closed by peer" in results[1][0].lower()    # rank 1 shares the dead rank's island
-    assert "rank 0 <-> rank 1 failed" in results[0][0]              # rank 0 hears it from its lane peer
+    if flat == "off":
+        assert "connection closed by peer" in results[1][0].lower()    # rank 1 shares the dead rank's island
+        assert "rank 0 <-> rank 1 failed" in results[0][0]              # rank 0 hears it from its lane peer
+    else:  # every rank waits for the dead one in shared memory, and sees its link closed
+        assert all("ranks [2] are gone (their connections closed)" in message for message, _, _ in results), results
 
-    leftover = ray.get([a.call.remote(_destroy, "mortal") for a in survivors], timeout=60)
+    leftover = ray.get([a.call.remote(_destroy, name) for a in survivors], timeout=60)
     assert leftover == [[], []]                                     # no thread left behind
     newcomer = cluster.workers(["b"])[0]
     group = [survivors[1], newcomer, survivors[0]]                  # new ranks, too
-    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name="mortal", timeout_s=20)
-    _check_sum(ray.get([a.call.remote(_allreduce_value, "mortal", r) for r, a in enumerate(group)]), 3)
+    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name=name, timeout_s=20)
+    _check_sum(ray.get([a.call.remote(_allreduce_value, name, r) for r, a in enumerate(group)]), 3)
+    assert ray.get([a.call.remote(_destroy, name) for a in group], timeout=60) == [[], [], []]
 
 
 # -- a tensor over 2 GiB across the border -------------------------------------------------------

@@ -93,8 +93,13 @@ def _worker(port: int, rank: int, script: str, late_rank: int, results: "mp.Queu
                 if rank == late_rank:
                     time.sleep(0.01)  # arrive last: the others must wait at the barrier
                 counts = [n // WORLD] * WORLD
+                blocks = [[_block(r, t, n) for t in range(WORLD)] for r in range(WORLD)]
+                if i % 2:  # the data goes ahead of a call check, as the group sends it
+                    chunk = buf[rank * counts[0]:(rank + 1) * counts[0]]
+                    lib.ahead({"broadcast": [buf] if rank == root else [], "allgather": [chunk],
+                               "alltoall": [buf[b] for b in blocks[rank]]}.get(op, [buf]))
+                    lib.rows([i])
                 if op == "alltoall":
-                    blocks = [[_block(r, t, n) for t in range(WORLD)] for r in range(WORLD)]
                     sizes = [[b.stop - b.start for b in row] for row in blocks]
                     outs = [torch.full((sizes[r][rank],), -1.0) for r in range(WORLD)]
                     lib.alltoall(outs, [buf[b] for b in blocks[rank]], sizes)

@@ -141,9 +141,8 @@ class HetCCLGroup(BaseGroup):
         in island-major order (the layout of per-rank chunks), so that its one-island plans
         run on the group's buffers as they are."""
         rank = self.topology.island_major_order().index(self.rank)
-        order = self.topology.island_major_order()
         shm = (ShmLibrary.create(self._store_of("shm"), rank, self.world_size, ROW_WIDTH + 2 * self.world_size,
-                                 self.options.timeout_s, lambda i: self.border.gone(order[i]))
+                                 self.options.timeout_s, self.border.gone, self.topology.island_major_order())
                if self._one_host else None)
         return shm or self._library(devices.HOST, "flat", rank, self.world_size)
 
@@ -154,7 +153,10 @@ class HetCCLGroup(BaseGroup):
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True) -> str:
         """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round",
-        "flat" (CPU tensors on every rank) or "plan" (one island: the vendor op)."""
+        "flat" (CPU tensors on every rank) or "plan" (one island: the vendor op); all-to-all:
+        "flat" in shared memory, else "direct" (blocks straight to their ranks)."""
+        if op == "alltoall":
+            return planner.FLAT if self._shared is not None and every_rank_on_host else "direct"
         return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
 
     def cost_model(self) -> list[str]:
@@ -230,7 +232,7 @@ class HetCCLGroup(BaseGroup):
              peer: Optional[int] = None,
              check: Optional[Callable[[PlanContext, Call], Optional[str]]] = None,
              staged: Sequence[torch.Tensor] = (), before: Optional[Callable[[], None]] = None,
-             after: Optional[Callable[[], None]] = None) -> None:
+             after: Optional[Callable[[], None]] = None, ahead: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Run one op under the group's sequence number, deadline, error state and stream order.
 
         Which plan runs is decided from what every rank knows alike (the call's size, the
@@ -249,7 +251,9 @@ class HetCCLGroup(BaseGroup):
         classes) is named on every rank before any user buffer is written, and the group
         stays usable. ``check`` replaces the rows round for ops that must agree on more than
         the call (all-to-all's block sizes); it always runs. ``before``/``after`` are device
-        work around the op (staging into and out of scratch buffers).
+        work around the op (staging into and out of scratch buffers). ``ahead``: on one host,
+        what this rank's CPU buffers give the shared-memory op, written before the check
+        so that its step also publishes them.
 
         Device buffers (devices.py): the op's side stream waits for the caller's current
         stream at entry, device work goes on the side stream, and at exit the caller's
@@ -279,7 +283,7 @@ class HetCCLGroup(BaseGroup):
                                     shared=self._shared)
             try:
                 with device.using(stream):
-                    problem = self._dispatch(ctx, call, body, peer, check, staged, before, after)
+                    problem = self._dispatch(ctx, call, body, peer, check, staged, before, after, ahead)
             except (HetCCLError, RuntimeError) as exc:
                 self._broken = self._explain(exc, where, seq, peer)
                 self.border.close()  # peers blocked on this rank fail now, not at their deadline
@@ -299,7 +303,8 @@ class HetCCLGroup(BaseGroup):
 
     def _dispatch(self, ctx: PlanContext, call: Call, body: Optional[Callable],
                   peer: Optional[int], check: Optional[Callable], staged: Sequence[torch.Tensor],
-                  before: Optional[Callable], after: Optional[Callable]) -> Optional[str]:
+                  before: Optional[Callable], after: Optional[Callable],
+                  ahead: Optional[Sequence[torch.Tensor]]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
         problem = None
         small = call.op in rounds.OPS  # a collective the round and the flat plan can run
@@ -315,6 +320,8 @@ class HetCCLGroup(BaseGroup):
         elif by_round:
             problem = self._staged(ctx, call, staged)
         else:
+            if ctx.shared is not None and ahead is not None and ctx.device.host and self.options.check_calls:
+                ctx.shared.ahead(ahead)
             if check is not None or self.options.check_calls or body is None:
                 problem = (check or tree.check)(ctx, call)
             if problem is None and body is not None and call.numel:
@@ -384,7 +391,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self.args.one(tensor, "allreduce"))
         op = self.args.reduce_op(allreduce_options)
         self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat,
-                  lambda ctx: plans.allreduce(ctx, x.flat, op), staged=[x.flat], after=x.write_back)
+                  lambda ctx: plans.allreduce(ctx, x.flat, op), staged=[x.flat], after=x.write_back, ahead=[x.flat])
 
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
         self._run(Call("barrier", torch.uint8, 0), None, None)
@@ -398,13 +405,14 @@ class HetCCLGroup(BaseGroup):
         self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat,
                   lambda ctx: plans.reduce(ctx, work, root, op), staged=[work],
                   before=None if work is x.flat else lambda: copy(work, x.flat),
-                  after=x.write_back if self.rank == root else None)
+                  after=x.write_back if self.rank == root else None, ahead=[x.flat])
 
     def broadcast(self, tensor: Any, broadcast_options: Any = _pinned(BroadcastOptions, root_rank=0)) -> None:
         x = Operand(self.args.one(tensor, "broadcast"), moving=True)
         root = self.args.rank(broadcast_options.root_rank, "broadcast root")
         self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat,
-                  lambda ctx: plans.broadcast(ctx, x.flat, root), staged=[x.flat], after=x.write_back)
+                  lambda ctx: plans.broadcast(ctx, x.flat, root), staged=[x.flat], after=x.write_back,
+                  ahead=[x.flat] if self.rank == root else [])
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
         x = Operand(self.args.one(tensor, "allgather input"), moving=True)
@@ -420,7 +428,7 @@ class HetCCLGroup(BaseGroup):
                 outputs[rank].write_back()
 
         self._run(Call("allgather", x.flat.dtype, n), x.flat, lambda ctx: plans.allgather(ctx, buf), staged=[buf],
-                  before=lambda: copy(buf[mine * n:(mine + 1) * n], x.flat), after=spread)
+                  before=lambda: copy(buf[mine * n:(mine + 1) * n], x.flat), after=spread, ahead=[x.flat])
 
     def reducescatter(self, tensor: Any, tensor_list: Any,
                       reducescatter_options: Any = _pinned(ReduceScatterOptions, reduceOp=ReduceOp.SUM)) -> None:
@@ -440,7 +448,7 @@ class HetCCLGroup(BaseGroup):
             ctx.launch(copy, out.flat, mine)
 
         self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat, body, staged=[buf, out.flat],
-                  before=lay_out, after=out.write_back)
+                  before=lay_out, after=out.write_back, ahead=[buf])
 
     # -- beyond Ray's BaseGroup: all-to-all, gather, scatter ---------------------------------------
 
@@ -473,7 +481,7 @@ class HetCCLGroup(BaseGroup):
                                    f"but expects {mine[1]} from it")
         self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0],
                   lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs, agreed["ahead"]), check=check,
-                  after=after)
+                  after=after, ahead=[inputs[t] for t in self.topology.island_major_order()])
 
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the

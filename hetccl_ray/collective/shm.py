@@ -40,7 +40,7 @@ Span = tuple[int, int]
 _DIR = "/dev/shm"
 _MIN_HALF = 64 << 10
 PIECE_BYTES = 64 << 20  # the largest half of a segment: bigger buffers go in pieces
-_SPIN = 32  # polls that yield the core before a waiting rank sleeps on its pipe
+_SPIN = 256  # polls that yield the core before a waiting rank sleeps on its pipe
 _RECHECK_S = 0.002  # a waiting rank looks again this often, had its wake-up been missed
 _LIVENESS_S = 0.05  # how often a waiting step asks whether a late rank's process is gone
 
@@ -77,8 +77,9 @@ class ShmLibrary:
     a common file. ``row_width``: the most ints a call row holds."""
 
     def __init__(self, prefix: str, control: np.ndarray, wakes: list[int], rank: int, size: int, row_width: int,
-                 timeout_s: float, gone: Callable[[int], bool]) -> None:
+                 timeout_s: float, gone: Callable[[int], bool], names: Sequence[int]) -> None:
         self.rank, self.size, self.timeout_s, self._gone, self._wakes = rank, size, timeout_s, gone, wakes
+        self._names = list(names)
         self._prefix, self._width = prefix, row_width + 1  # a row: its length, then its ints
         self._slot = 8 + 2 * -(-self._width // 8) * 8  # the counter's cache line, then two rows
         words = control.view(np.int64)
@@ -86,6 +87,7 @@ class ShmLibrary:
         self._arrived = self._slots[:, 0]
         self._failed = words[size * self._slot:]  # one word: 1 + the rank that failed
         self._steps, self._checks, self._ops, self._half, self._generation = 0, 0, 0, 0, 0
+        self._ahead_of = -1  # the check whose op's data went ahead of it (``ahead``)
         self._segments: list[torch.Tensor] = []
 
     @staticmethod
@@ -94,10 +96,12 @@ class ShmLibrary:
 
     @classmethod
     def create(cls, store: "dist.Store", rank: int, size: int, row_width: int, timeout_s: float,
-               gone: Callable[[int], bool] = lambda rank: False) -> Optional["ShmLibrary"]:
+               gone: Callable[[int], bool] = lambda rank: False,
+               names: Optional[Sequence[int]] = None) -> Optional["ShmLibrary"]:
         """The library where every rank maps rank 0's control file (one /dev/shm: the same
         host and IPC namespace), else None on every rank (they agree through ``store``).
-        ``gone(rank)``: whether that rank's process is known dead (a step then fails at once)."""
+        ``names``: each rank's name in errors (its group rank; default its rank here);
+        ``gone(name)``: whether that rank's process is known dead (a step then fails at once)."""
         path, control, nbytes = "", None, cls.control_bytes(size, row_width)
         if rank == 0:
             path = f"{_DIR}/hetccl-{secrets.token_hex(8)}"
@@ -125,7 +129,7 @@ class ShmLibrary:
             if mine is not None:
                 os.close(mine)
             return None
-        return cls(path, control, wakes, rank, size, row_width, timeout_s, gone)
+        return cls(path, control, wakes, rank, size, row_width, timeout_s, gone, names or range(size))
 
     @staticmethod
     def _try(make):
@@ -164,9 +168,9 @@ class ShmLibrary:
             if (self._arrived >= step).all():
                 return
             if self._failed[0]:
-                raise HetCCLPeerError(f"shared-memory {what}: rank {int(self._failed[0]) - 1} failed")
+                raise HetCCLPeerError(f"shared-memory {what}: rank {self._names[int(self._failed[0]) - 1]} failed")
             now = time.monotonic()
-            late = [r for r in range(self.size) if self._arrived[r] < step]
+            late = [self._names[r] for r in range(self.size) if self._arrived[r] < step]
             if now - asked > _LIVENESS_S:
                 asked = now
                 dead = [r for r in late if self._gone(r)]
@@ -190,6 +194,26 @@ class ShmLibrary:
 
     def barrier(self) -> None:
         self._step("barrier")
+
+    def ahead(self, parts: Sequence[torch.Tensor]) -> None:
+        """Before the next call check: what this rank's op writes first (``parts``, one after
+        another), into its next half where it fits, so that the check's step publishes it
+        and the op needs no step of its own for it (every rank of a flat op calls this)."""
+        self._ahead_of = self._checks + 1
+        if sum(part.nbytes for part in parts) > self._half:
+            return
+        at = ((self._ops + 1) % 2) * self._half
+        for part in parts:
+            copy(self._segments[self.rank][at:at + part.nbytes].view(part.dtype), part)
+            at += part.nbytes
+
+    def _fresh(self, nbytes: int, count: int) -> bool:
+        """Whether this op's data went ahead of its check: ``ahead`` was called for it and
+        the most any rank writes (``nbytes``, agreed) fits one piece. Every rank agrees: they
+        agree on the call, the check count and the segments' size."""
+        fresh = self._ahead_of == self._checks and count == 1 and nbytes <= self._half
+        self._ahead_of = -1
+        return fresh
 
     # -- data ---------------------------------------------------------------------------------------
 
@@ -231,12 +255,14 @@ class ShmLibrary:
 
     def broadcast(self, buf: torch.Tensor, root: int) -> None:
         count = self._count(buf.nbytes)
+        fresh = self._fresh(buf.nbytes, count)
         for q in range(count):
             part = view(buf, _piece((0, buf.numel()), q, count))
             regions = self._regions(part.nbytes, buf.dtype)
-            if self.rank == root:
-                copy(regions[root][:part.numel()], part)
-            self._step("broadcast")
+            if not fresh:
+                if self.rank == root:
+                    copy(regions[root][:part.numel()], part)
+                self._step("broadcast")
             if self.rank != root:
                 copy(part, regions[root][:part.numel()])
 
@@ -250,11 +276,13 @@ class ShmLibrary:
         """Each rank reduces its slice in its own segment; after the second step every rank
         (``root`` only, for reduce) copies the slices out."""
         what, count = "allreduce" if root is None else "reduce", self._count(buf.nbytes)
+        fresh = self._fresh(buf.nbytes, count)
         for q in range(count):
             part = view(buf, _piece((0, buf.numel()), q, count))
             regions, slices = self._regions(part.nbytes, buf.dtype), split(part.numel(), self.size)
-            copy(regions[self.rank][:part.numel()], part)
-            self._step(what)
+            if not fresh:
+                copy(regions[self.rank][:part.numel()], part)
+                self._step(what)
             self._fold(view(regions[self.rank], slices[self.rank]), regions, slices[self.rank], op)
             self._step(what)
             if root is None or root == self.rank:
@@ -265,11 +293,13 @@ class ShmLibrary:
         """Each rank's range of ``buf`` to every rank."""
         spans, itemsize = _spans(counts), buf.element_size()
         count = self._count(max(counts) * itemsize)
+        fresh = self._fresh(max(counts) * itemsize, count)
         for q in range(count):
             parts = [_piece(span, q, count) for span in spans]
             regions = self._regions(max(n for _, n in parts) * itemsize, buf.dtype)
-            copy(view(regions[self.rank], (0, parts[self.rank][1])), view(buf, parts[self.rank]))
-            self._step("allgather")
+            if not fresh:
+                copy(view(regions[self.rank], (0, parts[self.rank][1])), view(buf, parts[self.rank]))
+                self._step("allgather")
             for r, (region, span) in enumerate(zip(regions, parts)):
                 if r != self.rank:
                     copy(view(buf, span), view(region, (0, span[1])))
@@ -278,13 +308,15 @@ class ShmLibrary:
         """This rank's range of ``buf`` (its own values already) folds in every peer's."""
         spans = _spans(counts)
         count = self._count(buf.nbytes)
+        fresh = self._fresh(buf.nbytes, count)
         for q in range(count):
             parts = [_piece(span, q, count) for span in spans]
             regions = self._regions(sum(n for _, n in parts) * buf.element_size(), buf.dtype)
             at = _spans([n for _, n in parts])
-            for span, slot in zip(parts, at):
-                copy(view(regions[self.rank], slot), view(buf, span))
-            self._step("reduce_scatter")
+            if not fresh:
+                for span, slot in zip(parts, at):
+                    copy(view(regions[self.rank], slot), view(buf, span))
+                self._step("reduce_scatter")
             self._fold(view(buf, parts[self.rank]), regions, at[self.rank], op)
 
     def alltoall(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -292,15 +324,19 @@ class ShmLibrary:
         """``inputs[t]`` to rank t, ``outputs[r]`` from rank r; ``counts[r][t]``: what r sends t
         (agreed by every rank's rows)."""
         like = inputs[self.rank]
-        count = self._count(max(sum(row) for row in counts) * like.element_size())
+        most = max(sum(row) for row in counts) * like.element_size()
+        count = self._count(most)
+        fresh = self._fresh(most, count)
         for q in range(count):
             parts = [[_piece((0, n), q, count) for n in row] for row in counts]
             slots = [_spans([n for _, n in row]) for row in parts]
             regions = self._regions(max(sum(n for _, n in row) for row in parts) * like.element_size(), like.dtype)
             for t, (span, slot) in enumerate(zip(parts[self.rank], slots[self.rank])):
-                target = view(outputs[t], span) if t == self.rank else view(regions[self.rank], slot)
-                copy(target, view(inputs[t], span))
-            self._step("alltoall")
+                if t == self.rank or not fresh:
+                    target = view(outputs[t], span) if t == self.rank else view(regions[self.rank], slot)
+                    copy(target, view(inputs[t], span))
+            if not fresh:
+                self._step("alltoall")
             for r in range(self.size):
                 if r != self.rank:
                     copy(view(outputs[r], parts[r][self.rank]), view(regions[r], slots[r][self.rank]))
