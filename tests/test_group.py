@@ -221,6 +221,24 @@ def test_alltoall_even_uneven_every_dtype(actors, name):
     assert sum(results[r]["scatter"][1] for r in range(world)) == across(name, 0, from_root * 9 * 8)
 
 
+def _large_alltoall(name, rank, world):
+    n = 60_000  # 6 blocks of 240 KB: more than shared memory takes, they go straight over sockets
+    outs = [torch.zeros(n) for _ in range(world)]
+    hetccl_ray.alltoall([torch.from_numpy(block(rank, t, n)).float() for t in range(world)], outs, group_name=name)
+    return [o.numpy() for o in outs], _last_bytes(name), hetccl_ray.get_group(name).plan_of("alltoall", n * 4 * world)
+
+
+def test_large_alltoall_on_one_host_goes_straight(actors):
+    results = on_all(actors, "three-flat", _large_alltoall)
+    islands = [island for island, _ in LAYOUTS["three-flat"]]
+    for rank, (outs, _, plan) in enumerate(results):
+        assert plan == "direct"
+        for src in range(6):
+            np.testing.assert_array_equal(outs[src], block(src, rank, 60_000).astype(np.float32))
+    crossing = sum(islands[r] != islands[t] for r in range(6) for t in range(6))
+    assert sum(sent for _, sent, _ in results) == crossing * 60_000 * 4
+
+
 @pytest.mark.parametrize("name", ["two", "three"])
 def test_alltoall_mismatched_splits_named_on_every_rank(actors, name):
     results = on_all(actors, name, _wrong_split_then_right)

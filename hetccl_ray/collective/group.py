@@ -24,14 +24,13 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
 from hetccl_ray import devices
-from hetccl_ray.collective import plans, planner, rounds, tree
+from hetccl_ray.collective import plans, planner, rounds, shm, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import ROW_WIDTH, Call
 from hetccl_ray.collective.checks import ArgumentChecks
 from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
-from hetccl_ray.collective.shm import ShmLibrary
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
 from hetccl_ray.buffers import copy
@@ -106,7 +105,7 @@ class HetCCLGroup(BaseGroup):
         self._probe_bytes, self._probe_messages = (0, 0, 0, 0), 0
         flat = self.options.flat != "off" and len(self.topology.islands) > 1
         self._flat = self._flat_library() if flat else None
-        self._shared = self._flat if isinstance(self._flat, ShmLibrary) else None
+        self._shared = self._flat if isinstance(self._flat, shm.ShmLibrary) else None
         if self._shared is not None:  # one host: every call checked and CPU data moved in shared memory
             self.planner = planner.shared_memory(self.topology)
             return
@@ -141,10 +140,10 @@ class HetCCLGroup(BaseGroup):
         in island-major order (the layout of per-rank chunks), so that its one-island plans
         run on the group's buffers as they are."""
         rank = self.topology.island_major_order().index(self.rank)
-        shm = (ShmLibrary.create(self._store_of("shm"), rank, self.world_size, ROW_WIDTH + 2 * self.world_size,
-                                 self.options.timeout_s, self.border.gone, self.topology.island_major_order())
-               if self._one_host else None)
-        return shm or self._library(devices.HOST, "flat", rank, self.world_size)
+        shared = (shm.ShmLibrary.create(self._store_of("shm"), rank, self.world_size, ROW_WIDTH + 2 * self.world_size,
+                                        self.options.timeout_s, self.border.gone, self.topology.island_major_order())
+                  if self._one_host else None)
+        return shared or self._library(devices.HOST, "flat", rank, self.world_size)
 
     @property
     def small_bytes(self) -> dict[str, int]:
@@ -156,7 +155,8 @@ class HetCCLGroup(BaseGroup):
         "flat" (CPU tensors on every rank) or "plan" (one island: the vendor op); all-to-all:
         "flat" in shared memory, else "direct" (blocks straight to their ranks)."""
         if op == "alltoall":
-            return planner.FLAT if self._shared is not None and every_rank_on_host else "direct"
+            shared = self._shared is not None and every_rank_on_host and nbytes <= shm.ALLTOALL_BYTES
+            return planner.FLAT if shared else "direct"
         return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
 
     def cost_model(self) -> list[str]:

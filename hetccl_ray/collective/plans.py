@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hetccl_ray.collective import routes, schedule, tree
+from hetccl_ray.collective import routes, schedule, shm, tree
 from hetccl_ray.buffers import copy, view
 from hetccl_ray.collective.calls import on_host
 from hetccl_ray.collective.island import IslandComm
@@ -108,6 +108,13 @@ class SentAhead:
             self.ctx.wait(handle)
 
 
+def shm_alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], itemsize: int) -> bool:
+    """Whether an all-to-all goes through shared memory (one host, CPU tensors on every
+    rank, no rank sending more than ``shm.ALLTOALL_BYTES``)."""
+    return (ctx.shared is not None and ctx.every_rank_on_host()
+            and max(map(sum, counts)) * itemsize <= shm.ALLTOALL_BYTES)
+
+
 def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
              outputs: Sequence[torch.Tensor], ahead: Optional[SentAhead] = None) -> None:
     """Send ``inputs[t]`` to rank t and receive ``outputs[r]`` from rank r (``counts[r][t]``
@@ -118,7 +125,7 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     across once per island pair and lane, scattered inside; in pieces whose border stage
     overlaps the island stages."""
     me = ctx.rank
-    if ctx.shared is not None and ctx.every_rank_on_host():  # one host: through shared memory
+    if shm_alltoall(ctx, counts, inputs[me].element_size()):
         order = ctx.topo.island_major_order()
         ctx.shared.alltoall([outputs[r] for r in order], [inputs[t] for t in order],
                             [[counts[r][t] for t in order] for r in order])
