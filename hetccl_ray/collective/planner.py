@@ -45,6 +45,7 @@ class Planner:
     small_bytes: dict[str, int] = field(default_factory=dict)
     flat: bool = False  # a flat library exists (the ``flat`` option, several islands)
     flat_from: dict[str, float] = field(default_factory=lambda: dict.fromkeys(costs.OPS, math.inf))
+    flat_until: float = math.inf  # the largest size raced, where the ladder was cut short (a slow flat library)
     link: Optional[costs.LinkCosts] = None
     flat_link: Optional[costs.LinkCosts] = None
     forced: Optional[str] = None  # ROUND, PLAN or FLAT whatever the size: what calibration times
@@ -59,7 +60,7 @@ class Planner:
 
     def beyond_round(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"flat" or "plan": what a call takes where the round does not."""
-        flat = self.forced == FLAT or (self.forced is None and nbytes >= self.flat_from.get(op, math.inf))
+        flat = self.forced == FLAT or (self.forced is None and self.flat_from.get(op, math.inf) <= nbytes <= self.flat_until)
         return FLAT if flat and self.flat and every_rank_on_host and checked else PLAN
 
     def describe(self) -> list[str]:
@@ -70,6 +71,7 @@ class Planner:
         lines = [f"cost model: {measured}", f"small-message round for: {limits}"]
         if self.flat:
             sizes = ", ".join(f"{op} >= {size:,.0f} B" for op, size in self.flat_from.items() if size < math.inf)
+            sizes += f" (up to {self.flat_until:,.0f} B)" if sizes and self.flat_until < math.inf else ""
             how = self.flat_link.describe() if self.flat_link else "every call checked there too" if shared else "flat=on"
             lines.append(f"flat {self.flat_library} over every rank ({how}) for: {sizes or 'none'}")
         return lines
@@ -152,6 +154,11 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     sizes = _ladder(topology, planner.link, values[4] if len(values) > 2 else None)
     round_lost = _run_ladder(planner, sizes, measure_flat, functools.partial(_race, probe_calls, planner, allreduce,
                                                                              synchronize))
+    if measure_flat and max(sizes) < max(OP_PROBE_BYTES):
+        # the rungs shrank for a slow flat library: a win there is latency, not bandwidth, and
+        # is not extrapolated (on a 1 Gbit/s link the flat broadcast won at 1-2 MiB and ran at
+        # 0.4x of the hierarchical plan at 16 MiB)
+        planner.flat_until = float(max(sizes))
     taken = [op for op, size in planner.flat_from.items() if size < math.inf]
     model = costs.thresholds(topology, planner.link, planner.flat_link, taken)
     raced = [size for size in sizes if size <= costs.MAX_SMALL_BYTES]
