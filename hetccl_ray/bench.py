@@ -191,22 +191,31 @@ def ring_border_bytes(op: str, island_of_rank: Sequence[str], nbytes: int) -> in
     return int(round(crossings * share(n) * nbytes))
 
 
-def link_seconds(op: str, topo: Topology, nbytes: int, bits_per_s: float) -> Optional[float]:
+def link_seconds(op: str, topo: Topology, nbytes: int, bits_per_s: float, root: int = 0) -> Optional[float]:
     """The link bound on shaped links (each island's link shaped each way): the busiest
-    island's bytes out or in over the rate, for ops whose bytes are spread over islands
-    alike (allreduce: 2(k-1)/k of the buffer each way; all-to-all: its cross-island blocks).
-    None for the rooted and point-to-point ops."""
+    island's bytes out or in over the rate, each island pair carrying what the op must move
+    between them once (an island's share of a per-rank-chunked buffer is its ranks' chunks;
+    allreduce: both islands' shares, as reduce-scatter then allgather; broadcast and reduce:
+    the whole buffer from or to ``root``'s island; all-to-all: its cross-island blocks).
+    None for point-to-point and a single island."""
     k = len(topo.islands)
-    if op == "allreduce":
-        return 2 * (k - 1) / k * nbytes * 8 / bits_per_s if k > 1 else None
-    if op != "alltoall":
+    if k < 2 or op == "sendrecv":
         return None
-    block = nbytes // topo.world_size
     island = {r: topo.island_of(r).index for r in range(topo.world_size)}
-    load = [0] * (2 * k)
-    for r, t in _cross_pairs(topo):
-        load[2 * island[r]] += block      # leaving r's island
-        load[2 * island[t] + 1] += block  # entering t's island
+    share = [isl.size * (nbytes // topo.world_size) for isl in topo.islands]
+    home = island[root]
+    carried = {"allreduce": lambda i, j: share[i] + share[j], "allgather": lambda i, j: share[i],
+               "reducescatter": lambda i, j: share[j], "broadcast": lambda i, j: nbytes if i == home else 0,
+               "reduce": lambda i, j: nbytes if j == home else 0}
+    load = [0] * (2 * k)  # per island: bytes leaving, bytes entering
+    if op == "alltoall":
+        block = nbytes // topo.world_size
+        moves = [(island[r], island[t], block) for r, t in _cross_pairs(topo)]
+    else:
+        moves = [(i, j, carried[op](i, j)) for i in range(k) for j in range(k) if i != j]
+    for i, j, size in moves:
+        load[2 * i] += size
+        load[2 * j + 1] += size
     return max(load) * 8 / bits_per_s
 
 
@@ -355,7 +364,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
               timeout_s: float = 120.0, transport: str = "auto", link_rate: Optional[str] = None) -> pd.DataFrame:
     """Form the groups on ``actors`` and run the sweep; one row per (op, size, backend).
     ``frame.attrs["lanes"]`` says which transport each lane took; with ``link_rate`` (shaped
-    links), all-to-all rows get their time over the link bound."""
+    links), every collective's rows get their time over the link bound."""
     world = len(actors)
     topo = Topology.from_islands(island_of_rank)
     stamp = f"{time.time_ns():x}"

@@ -113,3 +113,20 @@ def test_balance_notebook_plots_the_benchmark(tmp_path):
     assert (tmp_path / "balance.png").stat().st_size > 10_000
     printed = "".join(out.get("text", "") for out in notebook.cells[1].outputs)
     assert "slowed even" in printed and "slowed auto" in printed
+
+
+def test_link_bounds_are_the_busiest_islands_bytes_over_the_rate():
+    two, uneven = Topology.from_islands(["a", "a", "b", "b"]), Topology.from_islands(["a", "b", "b", "b"])
+    s, rate = 12 << 20, 1e9
+    seconds = lambda nbytes: nbytes * 8 / rate  # noqa: E731
+    # 2x2: every pair moves half the buffer each way for the chunked ops, all of it for the others
+    assert bench.link_seconds("allgather", two, s, rate) == seconds(s / 2)
+    assert bench.link_seconds("reducescatter", two, s, rate) == seconds(s / 2)
+    assert bench.link_seconds("allreduce", two, s, rate) == seconds(s)
+    assert bench.link_seconds("broadcast", two, s, rate) == seconds(s)
+    assert bench.link_seconds("alltoall", two, s, rate) == seconds(s)  # 4 cross blocks of s/4 each way
+    # 1+3: island b's three chunks leave it in allgather; reduce brings all of it into rank 0's island
+    assert bench.link_seconds("allgather", uneven, s, rate) == seconds(3 * s / 4)
+    assert bench.link_seconds("reduce", uneven, s, rate, root=1) == seconds(s)
+    assert bench.link_seconds("sendrecv", two, s, rate) is None
+    assert bench.link_seconds("allreduce", Topology.from_islands(["a", "a"]), s, rate) is None
