@@ -260,7 +260,6 @@ class HetCCLGroup(BaseGroup):
         stream waits for the op: the host returns without waiting for the device.
         """
         device = devices.of(tensor) if tensor is not None else devices.HOST
-        call = replace(call, device=device.code)
         with self._lock:
             self._raise_if_broken()
             if peer is None:
@@ -269,7 +268,7 @@ class HetCCLGroup(BaseGroup):
                 self._progress.start(seq)
             else:
                 seq = self._next_p2p_seq(call.op, peer)
-            call = replace(call, seq=seq)
+            call = replace(call, device=device.code, seq=seq)
             where = f"{call.op} #{seq} in group '{self.group_name}' on rank {self.rank}"
             before_bytes = self.border.bytes_sent
             caller, stream = device.current_stream(), self._stream_of(device)

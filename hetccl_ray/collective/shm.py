@@ -94,6 +94,7 @@ class ShmLibrary:
         self._steps, self._checks, self._ops, self._half, self._generation = 0, 0, 0, 0, 0
         self._ahead_of = -1  # the check whose op's data went ahead of it (``ahead``)
         self._segments: list[torch.Tensor] = []
+        self._views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # each half as a dtype, kept
 
     @staticmethod
     def control_bytes(size: int, row_width: int) -> int:
@@ -239,6 +240,7 @@ class ShmLibrary:
             self._step("segment growth")  # every rank's new segment exists; the old ones are read
             self._segments = [torch.from_numpy(mine if r == self.rank else _mapped(name(r), 2 * half, False))
                               for r in range(self.size)]
+            self._views = {}
             self._step("segment growth")  # every rank mapped every segment
         finally:
             os.unlink(name(self.rank))
@@ -248,8 +250,11 @@ class ShmLibrary:
         """Each rank's next half, as ``dtype``; ``nbytes``: the most any rank writes (agreed)."""
         self._grow(nbytes)
         self._ops += 1
-        start = (self._ops % 2) * self._half
-        return [seg[start:start + self._half].view(dtype) for seg in self._segments]
+        key = (self._ops % 2, dtype)
+        if key not in self._views:
+            start = key[0] * self._half
+            self._views[key] = [seg[start:start + self._half].view(dtype) for seg in self._segments]
+        return self._views[key]
 
     @staticmethod
     def _count(nbytes: int) -> int:
@@ -353,7 +358,7 @@ class ShmLibrary:
                 combine(target, view(region, span), op)
 
     def close(self) -> None:
-        self._segments = []
+        self._segments, self._views = [], {}
         for wake in self._wakes:
             os.close(wake)
         self._wakes = []
