@@ -11,11 +11,12 @@ step again and copy the slices out: every rank gets the same bytes).
 
 Rows and data are double-buffered by parity: a rank rewrites one two checks later, after
 the next check proved every rank done reading it. A rank that must wait yields its core a
-few times, then sleeps on its own named pipe; the last to arrive writes a byte to every waiter's (no core spins, which on a
-host with more ranks than cores would take the time of the ranks being waited for). Buffers over ``PIECE_BYTES`` go in pieces,
-so segments stay bounded. Files are unlinked once every rank has mapped them: nothing is left
-in /dev/shm when a process dies. Counter stores are ordered after the data stores only on
-x86-64 (total store order); elsewhere the group keeps Gloo and the border's round.
+few times, then sleeps on its own named pipe; the last to arrive writes a byte to every
+waiter's (no core spins, which on a host with more ranks than cores would take the time of
+the ranks being waited for). Buffers over ``PIECE_BYTES`` go in pieces, so segments stay
+bounded. Files are unlinked once every rank has mapped them: nothing is left in /dev/shm
+when a process dies. Counter stores are ordered after the data stores only on x86-64
+(total store order); elsewhere the group keeps Gloo and the border's round.
 """
 
 from __future__ import annotations
