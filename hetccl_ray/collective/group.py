@@ -139,9 +139,10 @@ class HetCCLGroup(BaseGroup):
         """Shared memory where every rank shares this host, else Gloo, over every rank ranked
         in island-major order (the layout of per-rank chunks), so that its one-island plans
         run on the group's buffers as they are."""
-        rank = self.topology.island_major_order().index(self.rank)
+        order = self.topology.island_major_order()  # the library's ranks, by their group rank
+        rank = order.index(self.rank)
         shared = (shm.ShmLibrary.create(self._store_of("shm"), rank, self.world_size, ROW_WIDTH + 2 * self.world_size,
-                                        self.options.timeout_s, self.border.gone, self.topology.island_major_order())
+                                        self.options.timeout_s, self.border.gone, order)
                   if self._one_host else None)
         return shared or self._library(devices.HOST, "flat", rank, self.world_size)
 

@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from hetccl_ray.buffers import combine, copy, view
+from hetccl_ray.collective.island import ranges
+from hetccl_ray.collective.schedule import Span, piece_of
 from hetccl_ray.errors import HetCCLError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.topology import split
 
-Span = tuple[int, int]
 _DIR = "/dev/shm"
 _MIN_HALF = 64 << 10
 PIECE_BYTES = 64 << 20  # the largest half of a segment: bigger buffers go in pieces
@@ -63,20 +64,6 @@ def _mapped(path: str, nbytes: int, create: bool) -> np.ndarray:
         os.close(fd)
 
 
-def _spans(counts: Sequence[int]) -> list[Span]:
-    out, offset = [], 0
-    for count in counts:
-        out.append((offset, count))
-        offset += count
-    return out
-
-
-def _piece(span: Span, q: int, count: int) -> Span:
-    offset, length = span
-    part_offset, part_length = split(length, count)[q]
-    return offset + part_offset, part_length
-
-
 class ShmLibrary:
     """Call rows and the ops (allreduce, reduce, broadcast, allgather, reduce_scatter,
     alltoall) over ``size`` ranks of one host; ``create`` makes it where every rank maps
@@ -87,7 +74,7 @@ class ShmLibrary:
         self.rank, self.size, self.timeout_s, self._gone, self._wakes = rank, size, timeout_s, gone, wakes
         self._names = list(names)
         self._prefix, self._width = prefix, row_width + 1  # a row: its length, then its ints
-        self._slot = 8 + 2 * -(-self._width // 8) * 8  # the counter's cache line, then two rows
+        self._slot = self._slot_words(row_width)
         words = control.view(np.int64)
         self._slots = words[:size * self._slot].reshape(size, self._slot)
         self._arrived = self._slots[:, 0]
@@ -98,8 +85,15 @@ class ShmLibrary:
         self._views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # each half as a dtype, kept
 
     @staticmethod
-    def control_bytes(size: int, row_width: int) -> int:
-        return (size * (8 + 2 * -(-(row_width + 1) // 8) * 8) + 8) * 8
+    def _slot_words(row_width: int) -> int:
+        """A rank's int64 words in the control segment: its counter's cache line, then two rows
+        (each its length and ``row_width`` ints), whole cache lines."""
+        return 8 + 2 * -(-(row_width + 1) // 8) * 8
+
+    @classmethod
+    def control_bytes(cls, size: int, row_width: int) -> int:
+        """Every rank's slot, then the failure word's cache line."""
+        return (size * cls._slot_words(row_width) + 8) * 8
 
     @classmethod
     def create(cls, store: "dist.Store", rank: int, size: int, row_width: int, timeout_s: float,
@@ -189,7 +183,7 @@ class ShmLibrary:
                                          f"{self.timeout_s:.1f}s", late[0])
 
     def rows(self, row: Sequence[int]) -> dict[int, list[int]]:
-        """Every rank's row (this rank's is ``row``): the call check, and a step."""
+        """Every rank's row by name (this rank's is ``row``): the call check, and a step."""
         if len(row) >= self._width:
             raise HetCCLError(f"a call row of {len(row)} ints is wider than the {self._width - 1} this group holds")
         self._checks += 1
@@ -197,7 +191,8 @@ class ShmLibrary:
         mine = self._slots[self.rank, at:at + self._width]
         mine[0], mine[1:1 + len(row)] = len(row), row
         self._step("call check")
-        return {r: self._slots[r, at + 1:at + 1 + int(self._slots[r, at])].tolist() for r in range(self.size)}
+        return {name: self._slots[r, at + 1:at + 1 + int(self._slots[r, at])].tolist()
+                for r, name in enumerate(self._names)}
 
     def barrier(self) -> None:
         self._step("barrier")
@@ -268,7 +263,7 @@ class ShmLibrary:
         count = self._count(buf.nbytes)
         fresh = self._fresh(buf.nbytes, count)
         for q in range(count):
-            part = view(buf, _piece((0, buf.numel()), q, count))
+            part = view(buf, piece_of((0, buf.numel()), q, count))
             regions = self._regions(part.nbytes, buf.dtype)
             if not fresh:
                 if self.rank == root:
@@ -289,7 +284,7 @@ class ShmLibrary:
         what, count = "allreduce" if root is None else "reduce", self._count(buf.nbytes)
         fresh = self._fresh(buf.nbytes, count)
         for q in range(count):
-            part = view(buf, _piece((0, buf.numel()), q, count))
+            part = view(buf, piece_of((0, buf.numel()), q, count))
             regions, slices = self._regions(part.nbytes, buf.dtype), split(part.numel(), self.size)
             if not fresh:
                 copy(regions[self.rank][:part.numel()], part)
@@ -302,11 +297,11 @@ class ShmLibrary:
 
     def allgather(self, buf: torch.Tensor, counts: Sequence[int]) -> None:
         """Each rank's range of ``buf`` to every rank."""
-        spans, itemsize = _spans(counts), buf.element_size()
+        spans, itemsize = ranges(counts), buf.element_size()
         count = self._count(max(counts) * itemsize)
         fresh = self._fresh(max(counts) * itemsize, count)
         for q in range(count):
-            parts = [_piece(span, q, count) for span in spans]
+            parts = [piece_of(span, q, count) for span in spans]
             regions = self._regions(max(n for _, n in parts) * itemsize, buf.dtype)
             if not fresh:
                 copy(view(regions[self.rank], (0, parts[self.rank][1])), view(buf, parts[self.rank]))
@@ -317,13 +312,13 @@ class ShmLibrary:
 
     def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
         """This rank's range of ``buf`` (its own values already) folds in every peer's."""
-        spans = _spans(counts)
+        spans = ranges(counts)
         count = self._count(buf.nbytes)
         fresh = self._fresh(buf.nbytes, count)
         for q in range(count):
-            parts = [_piece(span, q, count) for span in spans]
+            parts = [piece_of(span, q, count) for span in spans]
             regions = self._regions(sum(n for _, n in parts) * buf.element_size(), buf.dtype)
-            at = _spans([n for _, n in parts])
+            at = ranges([n for _, n in parts])
             if not fresh:
                 for span, slot in zip(parts, at):
                     copy(view(regions[self.rank], slot), view(buf, span))
@@ -339,8 +334,8 @@ class ShmLibrary:
         count = self._count(most)
         fresh = self._fresh(most, count)
         for q in range(count):
-            parts = [[_piece((0, n), q, count) for n in row] for row in counts]
-            slots = [_spans([n for _, n in row]) for row in parts]
+            parts = [[piece_of((0, n), q, count) for n in row] for row in counts]
+            slots = [ranges([n for _, n in row]) for row in parts]
             regions = self._regions(max(sum(n for _, n in row) for row in parts) * like.element_size(), like.dtype)
             for t, (span, slot) in enumerate(zip(parts[self.rank], slots[self.rank])):
                 if t == self.rank or not fresh:

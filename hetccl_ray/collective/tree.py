@@ -150,13 +150,11 @@ def small(ctx, call: Call, buf: torch.Tensor, out: Optional[torch.Tensor] = None
 
 def check(ctx, call: Call, rows: Optional[Rows] = None, then: Optional[Callable[[int], None]] = None) -> Optional[str]:
     """The round with no data: every rank learns every call (and it is a barrier). On one
-    host it is a step of the shared-memory library, whose rows are in island-major order.
-    ``rows``, ``then``: as :func:`run`'s."""
+    host it is a step of the shared-memory library. ``rows``, ``then``: as :func:`run`'s."""
     rows = rows if rows is not None else {ctx.rank: call.encode()}
     if ctx.shared is None:
         return run(ctx, call, rounds.build(ctx.topo, ctx.rank, "check"), {}, rows=rows, then=then)
-    order = ctx.topo.island_major_order()
-    rows.update({order[i]: row for i, row in ctx.shared.rows(rows[ctx.rank]).items()})
+    rows.update(ctx.shared.rows(rows[ctx.rank]))
     return _verdict(ctx, rows)
 
 
