@@ -80,10 +80,11 @@ def joined(parts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.new_empty(0).set_(storage, first.storage_offset(), (offset - first.storage_offset(),))
 
 
-def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share any byte."""
-    start_a, start_b = a.data_ptr(), b.data_ptr()
-    return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes
+def overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether any contiguous tensor of ``a`` shares a byte with one of ``b``."""
+    spans = [(t.device, t.data_ptr(), t.data_ptr() + t.nbytes) for t in b if t.numel()]
+    return any(x.device == device and x.data_ptr() < end and start < x.data_ptr() + x.nbytes
+               for x in a if x.numel() for device, start, end in spans)
 
 
 def view(buf: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:

@@ -222,21 +222,31 @@ def test_alltoall_even_uneven_every_dtype(actors, name):
 
 
 def _large_alltoall(name, rank, world):
-    n = 60_000  # 6 blocks of 240 KB: more than shared memory takes, they go straight over sockets
+    """Blocks of 240 KB, more than the shared-memory segments take: then in place (each rank's
+    outputs are its inputs)."""
+    n = 60_000
     outs = [torch.zeros(n) for _ in range(world)]
     hetccl_ray.alltoall([torch.from_numpy(block(rank, t, n)).float() for t in range(world)], outs, group_name=name)
-    return [o.numpy() for o in outs], _last_bytes(name), hetccl_ray.get_group(name).plan_of("alltoall", n * 4 * world)
+    sent = _last_bytes(name)
+    blocks = list(torch.from_numpy(np.concatenate([block(rank, t, n) for t in range(world)])).float().split(n))
+    hetccl_ray.alltoall(blocks, blocks, group_name=name)
+    return [o.numpy() for o in outs], [b.numpy() for b in blocks], sent, hetccl_ray.get_group(name).plan_of(
+        "alltoall", n * 4 * world)
 
 
-def test_large_alltoall_on_one_host_goes_straight(actors):
-    results = on_all(actors, "three-flat", _large_alltoall)
-    islands = [island for island, _ in LAYOUTS["three-flat"]]
-    for rank, (outs, _, plan) in enumerate(results):
-        assert plan == "direct"
+@pytest.mark.parametrize("name, plan", [("three-flat", "pull"), ("three", "direct")])
+def test_large_alltoall_on_one_host_is_pulled_or_goes_straight(actors, name, plan):
+    """Where the ranks may read each other's memory, each block is pulled from its sender (no
+    border bytes); without shared memory the blocks go straight over sockets."""
+    results = on_all(actors, name, _large_alltoall)
+    islands = [island for island, _ in LAYOUTS[name]]
+    for rank, (outs, in_place, _, taken) in enumerate(results):
+        assert taken == plan
         for src in range(6):
             np.testing.assert_array_equal(outs[src], block(src, rank, 60_000).astype(np.float32))
+            np.testing.assert_array_equal(in_place[src], block(src, rank, 60_000).astype(np.float32))
     crossing = sum(islands[r] != islands[t] for r in range(6) for t in range(6))
-    assert sum(sent for _, sent, _ in results) == crossing * 60_000 * 4
+    assert sum(sent for _, _, sent, _ in results) == (0 if plan == "pull" else crossing * 60_000 * 4)
 
 
 @pytest.mark.parametrize("name", ["two", "three"])

@@ -1,6 +1,7 @@
 """The shared-memory library alone: real processes of one host meeting in a real c10d
 TCPStore, every op and the call rows against numpy, segments growing, halves reused and
-buffers in pieces, a late rank, a missing rank named (at once when its process is gone,
+buffers in pieces, all-to-alls pulled from the senders' memory (addresses ahead or not) or copied
+through the segments, a late rank, a missing rank named (at once when its process is gone,
 else at the deadline), and nothing left in /dev/shm."""
 
 from __future__ import annotations
@@ -76,14 +77,18 @@ def _worker(port: int, rank: int, script: str, late_rank: int, results: "mp.Queu
         pids = {r: int(store.get(f"pid/{r}")) for r in range(WORLD)}
         gone = (lambda r: _exited(pids[r])) if script == "dead" else (lambda r: False)
         lib = shm.ShmLibrary.create(store, rank, WORLD, row_width=8, timeout_s=3.0 if script != "dead" else 60.0,
-                                    gone=gone)
+                                    gone=gone, pull=script != "copy")
         assert lib is not None, "one host: the library must form"
+        if script == "pull" and not lib.pulls(1 << 30):
+            results.put((rank, "cannot pull"))
+            return
         if script in ("missing", "dead") and rank == WORLD - 1:
             results.put((rank, "absent"))
             return
         shm.PIECE_BYTES = 256 << 10  # 300,000 floats go in pieces
+        shm.PULL_BYTES = 64 << 10  # all-to-alls of 40,002 and 300,000 floats are pulled (unless "copy")
         wrong = []
-        for i, n in enumerate([3, 96, 300, 40_002, 12, 300_000, 96, 3]):  # grows, shrinks, reuses halves
+        for i, n in enumerate([3, 96, 300, 40_002, 12, 300_000, 40_002, 3]):  # grows, shrinks, reuses halves
             rows = lib.rows([i, rank, n] + [rank] * (rank % 3))  # rows of different lengths
             if rows != {r: [i, r, n] + [r] * (r % 3) for r in range(WORLD)}:
                 wrong.append(("rows", n))
@@ -96,8 +101,9 @@ def _worker(port: int, rank: int, script: str, late_rank: int, results: "mp.Queu
                 blocks = [[_block(r, t, n) for t in range(WORLD)] for r in range(WORLD)]
                 if i % 2:  # the data goes ahead of a call check, as the group sends it
                     chunk = buf[rank * counts[0]:(rank + 1) * counts[0]]
-                    lib.ahead({"broadcast": [buf] if rank == root else [], "allgather": [chunk],
-                               "alltoall": [buf[b] for b in blocks[rank]]}.get(op, [buf]))
+                    parts = {"broadcast": [buf] if rank == root else [], "allgather": [chunk],
+                             "alltoall": [buf[b] for b in blocks[rank]]}.get(op, [buf])
+                    lib.ahead(parts, pull=op == "alltoall")
                     lib.rows([i])
                 if op == "alltoall":
                     sizes = [[b.stop - b.start for b in row] for row in blocks]
@@ -133,9 +139,12 @@ def _ours() -> set[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux shared memory)")
-def test_every_op_matches_numpy_and_leaves_nothing():
+@pytest.mark.parametrize("script", ["pull", "copy"])
+def test_every_op_matches_numpy_and_leaves_nothing(script):
     before = _ours()
-    out = _run("ops", late_rank=1)
+    out = _run(script, late_rank=1)
+    if "cannot pull" in out.values():
+        pytest.skip("needs process_vm_readv between sibling processes (this host's ptrace policy forbids it)")
     assert out == {r: [] for r in range(WORLD)}, out
     assert _ours() == before
 

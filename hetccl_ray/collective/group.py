@@ -33,7 +33,7 @@ from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
-from hetccl_ray.buffers import copy
+from hetccl_ray.buffers import copy, overlap
 from hetccl_ray.collective.rendezvous import StoreRendezvous, delete, get_raw, members_key, options_key
 from hetccl_ray.collective.tensors import Operand, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
@@ -154,10 +154,12 @@ class HetCCLGroup(BaseGroup):
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True) -> str:
         """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round",
         "flat" (CPU tensors on every rank) or "plan" (one island: the vendor op); all-to-all:
-        "flat" in shared memory, else "direct" (blocks straight to their ranks)."""
+        "flat" through shared memory, "pull" from the senders' memory, else "direct" (blocks
+        straight to their ranks)."""
         if op == "alltoall":
-            shared = self._shared is not None and every_rank_on_host and nbytes <= shm.ALLTOALL_BYTES
-            return planner.FLAT if shared else "direct"
+            if self._shared is None or not every_rank_on_host or not self._shared.takes_alltoall(nbytes):
+                return "direct"
+            return "pull" if self._shared.pulls(nbytes) else planner.FLAT
         return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
 
     def cost_model(self) -> list[str]:
@@ -321,7 +323,7 @@ class HetCCLGroup(BaseGroup):
             problem = self._staged(ctx, call, staged)
         else:
             if ctx.shared is not None and ahead is not None and ctx.device.host and self.options.check_calls:
-                ctx.shared.ahead(ahead)
+                ctx.shared.ahead(ahead, pull=call.op == "alltoall")
             if check is not None or self.options.check_calls or body is None:
                 problem = (check or tree.check)(ctx, call)
             if problem is None and body is not None and call.numel:
@@ -465,6 +467,8 @@ class HetCCLGroup(BaseGroup):
         """:meth:`alltoall` on flat contiguous tensors (views of one buffer are fine); ``after``:
         device work once the outputs are filled (writing them back into the user's tensors)."""
         same_kind(Operand(inputs[0]), [Operand(t) for t in [*inputs, *outputs]], "alltoall tensors", sizes=False)
+        if overlap(inputs, outputs):  # in place: blocks leave from a copy, so none is overwritten before it is read
+            inputs = list(torch.cat(inputs).split([t.numel() for t in inputs]))
         mine = [t.numel() for t in inputs] + [t.numel() for t in outputs]
         agreed: dict[str, Any] = {"counts": [[mine[0]]], "ahead": None}  # a group of one: nothing to agree with
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hetccl_ray.collective import routes, schedule, shm, tree
+from hetccl_ray.collective import routes, schedule, tree
 from hetccl_ray.buffers import copy, view
 from hetccl_ray.collective.calls import on_host
 from hetccl_ray.collective.island import IslandComm
@@ -110,9 +110,9 @@ class SentAhead:
 
 def shm_alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], itemsize: int) -> bool:
     """Whether an all-to-all goes through shared memory (one host, CPU tensors on every
-    rank, no rank sending more than ``shm.ALLTOALL_BYTES``)."""
+    rank, sizes the library takes)."""
     return (ctx.shared is not None and ctx.every_rank_on_host()
-            and max(map(sum, counts)) * itemsize <= shm.ALLTOALL_BYTES)
+            and ctx.shared.takes_alltoall(max(map(sum, counts)) * itemsize))
 
 
 def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],

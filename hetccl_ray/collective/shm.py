@@ -7,7 +7,9 @@ segment (a step counter and its call rows) and a data segment in /dev/shm. A ste
 barrier: a rank stores its counter, then waits until every rank's has reached it. The call
 check is one step whose rows every rank reads; then each op copies its input into its own
 segment, steps, and reads its peers' (allreduce and reduce fold one slice per rank in place,
-step again and copy the slices out: every rank gets the same bytes).
+step again and copy the slices out: every rank gets the same bytes). Where the ranks may
+read each other's memory (``process_vm_readv``, as MPI's CMA), a large all-to-all moves each
+block once: its receiver pulls it straight from its sender's buffer.
 
 Rows and data are double-buffered by parity: a rank rewrites one two checks later, after
 the next check proved every rank done reading it. A rank that must wait yields its core a
@@ -21,6 +23,7 @@ when a process dies. Counter stores are ordered after the data stores only on x8
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -42,14 +45,39 @@ from hetccl_ray.topology import split
 _DIR = "/dev/shm"
 _MIN_HALF = 64 << 10
 PIECE_BYTES = 64 << 20  # the largest half of a segment: bigger buffers go in pieces
+PULL_BYTES = 256 << 10  # all-to-alls above this per rank are pulled where ranks may read each other's memory
 AHEAD_BYTES = 1 << 20  # data up to this goes ahead of the call check (beyond, a step costs little)
-# all-to-all through shared memory up to this per rank: each rank's blocks are copied in, then
-# out, one phase after the other; larger ones go straight over Unix sockets, whose copies
-# overlap (2x2 16 MiB 0.89x, 1+2+3 0.72x of Gloo in shared memory; 1-1.07x straight)
+# all-to-all through the segments up to this per rank: each rank's blocks are copied in, then
+# out, one phase after the other; larger ones are pulled from their senders (one copy), or where
+# ranks cannot read each other's memory go straight over Unix sockets, whose copies overlap
+# (2x2 16 MiB 0.89x, 1+2+3 0.72x of Gloo through the segments; 1-1.07x straight)
 ALLTOALL_BYTES = 1 << 20
 _SPIN = 256  # polls that yield the core before a waiting rank sleeps on its pipe
 _RECHECK_S = 0.002  # a waiting rank looks again this often, had its wake-up been missed
 _LIVENESS_S = 0.05  # how often a waiting step asks whether a late rank's process is gone
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
+                                   ctypes.c_ulong, ctypes.c_ulong]
+
+
+def _pull(pid: int, into: torch.Tensor, address: int) -> Optional[str]:
+    """Copy ``into.nbytes`` bytes at ``address`` of process ``pid`` into ``into`` (contiguous,
+    host memory): one copy, by the kernel. None, or why it failed."""
+    done = 0
+    while done < into.nbytes:
+        local, remote = _Iovec(into.data_ptr() + done, into.nbytes - done), _Iovec(address + done, into.nbytes - done)
+        got = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            return os.strerror(ctypes.get_errno()) if got < 0 else "nothing read"
+        done += got
+    return None
 
 
 def _mapped(path: str, nbytes: int, create: bool) -> np.ndarray:
@@ -70,39 +98,50 @@ class ShmLibrary:
     a common file. ``row_width``: the most ints a call row holds."""
 
     def __init__(self, prefix: str, control: np.ndarray, wakes: list[int], rank: int, size: int, row_width: int,
-                 timeout_s: float, gone: Callable[[int], bool], names: Sequence[int]) -> None:
+                 timeout_s: float, gone: Callable[[int], bool], names: Sequence[int],
+                 pids: Optional[list[int]]) -> None:
         self.rank, self.size, self.timeout_s, self._gone, self._wakes = rank, size, timeout_s, gone, wakes
-        self._names = list(names)
+        self._names, self._pids = list(names), pids  # pids: where ranks may read each other's memory
         self._prefix, self._width = prefix, row_width + 1  # a row: its length, then its ints
-        self._slot = self._slot_words(row_width)
+        self._slot = self._slot_words(row_width, size)
         words = control.view(np.int64)
         self._slots = words[:size * self._slot].reshape(size, self._slot)
         self._arrived = self._slots[:, 0]
+        self._rows_at = 8 + 2 * self._row_words(row_width)  # a slot: counter line, two rows, block addresses
+        self._where = self._slots[:, self._rows_at:self._rows_at + size]
         self._failed = words[size * self._slot:]  # one word: 1 + the rank that failed
         self._steps, self._checks, self._ops, self._half, self._generation = 0, 0, 0, 0, 0
         self._ahead_of = -1  # the check whose op's data went ahead of it (``ahead``)
+        self._pulled_ahead = -1  # the check whose all-to-all's block addresses went ahead of it
         self._segments: list[torch.Tensor] = []
         self._views: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # each half as a dtype, kept
 
     @staticmethod
-    def _slot_words(row_width: int) -> int:
-        """A rank's int64 words in the control segment: its counter's cache line, then two rows
-        (each its length and ``row_width`` ints), whole cache lines."""
-        return 8 + 2 * -(-(row_width + 1) // 8) * 8
+    def _row_words(row_width: int) -> int:
+        """A row's int64 words (its length and ``row_width`` ints), whole cache lines."""
+        return -(-(row_width + 1) // 8) * 8
+
+    @classmethod
+    def _slot_words(cls, row_width: int, size: int) -> int:
+        """A rank's int64 words in the control segment: its counter's cache line, two rows,
+        then the address of its block for each rank (an all-to-all pulled), whole cache lines."""
+        return 8 + 2 * cls._row_words(row_width) + -(-size // 8) * 8
 
     @classmethod
     def control_bytes(cls, size: int, row_width: int) -> int:
         """Every rank's slot, then the failure word's cache line."""
-        return (size * cls._slot_words(row_width) + 8) * 8
+        return (size * cls._slot_words(row_width, size) + 8) * 8
 
     @classmethod
     def create(cls, store: "dist.Store", rank: int, size: int, row_width: int, timeout_s: float,
                gone: Callable[[int], bool] = lambda rank: False,
-               names: Optional[Sequence[int]] = None) -> Optional["ShmLibrary"]:
+               names: Optional[Sequence[int]] = None, pull: bool = True) -> Optional["ShmLibrary"]:
         """The library where every rank maps rank 0's control file (one /dev/shm: the same
         host and IPC namespace), else None on every rank (they agree through ``store``).
         ``names``: each rank's name in errors (its group rank; default its rank here);
-        ``gone(name)``: whether that rank's process is known dead (a step then fails at once)."""
+        ``gone(name)``: whether that rank's process is known dead (a step then fails at once);
+        ``pull``: whether large all-to-alls may be pulled where every rank reads every other's
+        memory (tried here: a container's policy may forbid it)."""
         path, control, nbytes = "", None, cls.control_bytes(size, row_width)
         if rank == 0:
             path = f"{_DIR}/hetccl-{secrets.token_hex(8)}"
@@ -115,13 +154,16 @@ class ShmLibrary:
         wake = f"{path}-wake-{rank}"
         mine = cls._try(lambda: (os.mkfifo(wake, 0o600), os.open(wake, os.O_RDWR | os.O_NONBLOCK))[1]) if path else None
         usable = platform.machine() in ("x86_64", "AMD64") and control is not None and mine is not None
-        store.set(f"shm/ok/{rank}", "1" if usable else "0")
-        agreed = all(store.get(f"shm/ok/{r}") == b"1" for r in range(size))
+        pids, probe = cls._readable(store, rank, size) if pull else (None, None)
+        store.set(f"shm/ok/{rank}", "0" if not usable else "2" if pids else "1")
+        oks = [store.get(f"shm/ok/{r}") for r in range(size)]
+        agreed, pids = all(ok != b"0" for ok in oks), pids if all(ok == b"2" for ok in oks) else None
         wakes = [mine if r == rank else os.open(f"{path}-wake-{r}", os.O_WRONLY | os.O_NONBLOCK)
                  for r in range(size)] if agreed else []
         store.set(f"shm/open/{rank}", "1")
         for r in range(size):
-            store.get(f"shm/open/{r}")  # every rank has opened every pipe (or given up)
+            store.get(f"shm/open/{r}")  # every rank has opened every pipe and read every probe (or given up)
+        del probe
         if mine is not None:
             os.unlink(wake)
         if rank == 0 and path:
@@ -130,7 +172,23 @@ class ShmLibrary:
             if mine is not None:
                 os.close(mine)
             return None
-        return cls(path, control, wakes, rank, size, row_width, timeout_s, gone, names or range(size))
+        return cls(path, control, wakes, rank, size, row_width, timeout_s, gone, names or range(size), pids)
+
+    @staticmethod
+    def _readable(store: "dist.Store", rank: int, size: int) -> tuple[Optional[list[int]], np.ndarray]:
+        """Every rank's process id where this rank can read every peer's memory (each peer's
+        random probe read back right), else None; and this rank's probe, to keep alive until
+        every rank has read it."""
+        token = secrets.randbits(62)
+        probe = np.array([token, rank], dtype=np.int64)
+        store.set(f"shm/probe/{rank}", f"{os.getpid()} {probe.ctypes.data} {token}")
+        pids, readable = [], True
+        for r in range(size):
+            pid, address, want = map(int, store.get(f"shm/probe/{r}").split())
+            got = torch.zeros(2, dtype=torch.int64)
+            readable = readable and (r == rank or (_pull(pid, got, address) is None and got.tolist() == [want, r]))
+            pids.append(pid)
+        return (pids if readable else None), probe
 
     @staticmethod
     def _try(make):
@@ -187,7 +245,7 @@ class ShmLibrary:
         if len(row) >= self._width:
             raise HetCCLError(f"a call row of {len(row)} ints is wider than the {self._width - 1} this group holds")
         self._checks += 1
-        at = 8 + (self._checks % 2) * (self._slot - 8) // 2
+        at = 8 + (self._checks % 2) * (self._rows_at - 8) // 2
         mine = self._slots[self.rank, at:at + self._width]
         mine[0], mine[1:1 + len(row)] = len(row), row
         self._step("call check")
@@ -197,12 +255,20 @@ class ShmLibrary:
     def barrier(self) -> None:
         self._step("barrier")
 
-    def ahead(self, parts: Sequence[torch.Tensor]) -> None:
+    def ahead(self, parts: Sequence[torch.Tensor], pull: bool = False) -> None:
         """Before the next call check: what this rank's op writes first (``parts``, one after
         another), into its next half where it fits, so that the check's step publishes it
-        and the op needs no step of its own for it (every rank of a flat op calls this)."""
+        and the op needs no step of its own for it (every rank of a flat op calls this).
+        ``pull``: the parts are an all-to-all's blocks, by destination: their addresses go
+        ahead, and their data only where this rank's op may not be pulled."""
         self._ahead_of = self._checks + 1
-        if sum(part.nbytes for part in parts) > min(self._half, AHEAD_BYTES):
+        nbytes = sum(part.nbytes for part in parts)
+        if pull and self._pids is not None:
+            self._where[self.rank] = [part.data_ptr() for part in parts]
+            self._pulled_ahead = self._ahead_of
+            if self.pulls(nbytes):
+                return
+        if nbytes > min(self._half, AHEAD_BYTES):
             return
         at = ((self._ops + 1) % 2) * self._half
         for part in parts:
@@ -328,9 +394,14 @@ class ShmLibrary:
     def alltoall(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                  counts: Sequence[Sequence[int]]) -> None:
         """``inputs[t]`` to rank t, ``outputs[r]`` from rank r; ``counts[r][t]``: what r sends t
-        (agreed by every rank's rows)."""
+        (agreed by every rank's rows). Outputs must not share memory with any rank's inputs
+        (a pulled block would be read after its receiver overwrote it)."""
         like = inputs[self.rank]
         most = max(sum(row) for row in counts) * like.element_size()
+        if self.pulls(most):
+            self._pull_blocks(outputs, inputs, counts, published=self._pulled_ahead == self._checks)
+            self._ahead_of = self._pulled_ahead = -1
+            return
         count = self._count(most)
         fresh = self._fresh(most, count)
         for q in range(count):
@@ -346,6 +417,34 @@ class ShmLibrary:
             for r in range(self.size):
                 if r != self.rank:
                     copy(view(outputs[r], parts[r][self.rank]), view(regions[r], slots[r][self.rank]))
+
+    def takes_alltoall(self, nbytes: int) -> bool:
+        """Whether an all-to-all whose largest rank sends ``nbytes`` goes through this library
+        (else straight over sockets)."""
+        return self._pids is not None or nbytes <= ALLTOALL_BYTES
+
+    def pulls(self, nbytes: int) -> bool:
+        """Whether such an all-to-all is pulled from the senders' buffers (one copy per block)."""
+        return self._pids is not None and nbytes > PULL_BYTES
+
+    def _pull_blocks(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                     counts: Sequence[Sequence[int]], published: bool) -> None:
+        """Each rank reads its block from every sender's memory (each rank starting at a
+        different sender), where the senders' addresses were ``published`` ahead of the check
+        or are now, with a step; then a step: the senders may reuse their buffers."""
+        if not published:
+            self._where[self.rank] = [t.data_ptr() for t in inputs]
+            self._step("alltoall")
+        copy(outputs[self.rank], inputs[self.rank])
+        for k in range(1, self.size):
+            r = (self.rank + k) % self.size
+            if counts[r][self.rank]:
+                failed = _pull(self._pids[r], outputs[r], int(self._where[r, self.rank]))
+                if failed is not None:
+                    self._failed[0] = self.rank + 1
+                    raise HetCCLPeerError(f"shared-memory alltoall: reading rank {self._names[r]}'s block on rank "
+                                          f"{self._names[self.rank]} failed: {failed}")
+        self._step("alltoall")
 
     def _fold(self, target: torch.Tensor, regions: list[torch.Tensor], span: Span, op: str) -> None:
         """``target`` (this rank's values) op= every peer's ``span``, in rank order."""
