@@ -70,7 +70,7 @@ class Coll:
     ``got(x, out, world)`` the tensors to check; ``want(inputs, rank)`` their values from every
     rank's input (and ``reduces``: rank 0 only for reduce). ``ring``: per ring hop, the share
     of S it carries and whether the ring wraps around (None: flat, it crosses once).
-    ``plan``: the one plan the op always takes (else the group's planner says, per size)."""
+    ``asks``: the group op whose plan this op takes, per size (default: the same name)."""
 
     name: str
     bus: Callable[[int], float]
@@ -84,7 +84,7 @@ class Coll:
     chunked: bool = False
     reduces: bool = False
     rooted: bool = False
-    plan: str = ""
+    asks: str = ""
 
 
 def _islands_bound(factor: int) -> Callable[[Topology, int], int]:
@@ -156,7 +156,7 @@ COLLS = {c.name: c for c in (
          reduces=True, rooted=True),
     Coll("sendrecv", lambda n: 1.0, lambda x, w: (x, torch.empty_like(x)), _sendrecv_call, lambda x, out, w: [out],
          lambda inputs, w, r: _moved([inputs[(r - 1) % w]]), (lambda n: 1.0, True), _ring_crossings,
-         "S per ring hop that crosses islands", plan="p2p"),
+         "S per ring hop that crosses islands", asks="send"),
     Coll("alltoall", lambda n: (n - 1) / n, lambda x, w: (x, torch.zeros_like(x)), _alltoall_call,
          lambda x, out, w: list(out.chunk(w)),
          lambda inputs, w, r: _moved([x.chunk(w)[r] for x in inputs]), None,
@@ -356,8 +356,8 @@ def lane_transports(group: str, rank: int) -> tuple[list[str], list[str]]:
 
 def plan_taken(group: str, op: str, nbytes: int) -> str:
     """In one actor: the plan a call of ``op`` on ``nbytes`` takes in this group (the group's
-    agreed choice, the same on every rank): round, plan or flat, or the op's one plan."""
-    return COLLS[op].plan or hetccl_ray.get_group(group).plan_of(op, nbytes)
+    agreed choice, the same on every rank): round, plan, flat, pull or p2p."""
+    return hetccl_ray.get_group(group).plan_of(COLLS[op].asks or op, nbytes)
 
 
 def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, progress: bool = True,

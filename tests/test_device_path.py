@@ -170,6 +170,31 @@ def test_every_op_on_gpu_and_cpu_islands_in_stream_order(actors, side_stream):
     _check(_on_all(actors, MIXED, every_op, "mixed", side_stream))
 
 
+LARGE = (4 << 20) // 4 + 3  # elements: on one host a message from 4 MiB of host memory is pulled
+
+
+def _large_ring(rank: int, world: int, name: str) -> tuple[dict, str]:
+    """Messages large enough to be pulled, around GPU, CPU, GPU, CPU: a device sender sends
+    the bytes, a host one where they lie, which a device receiver pulls into host memory."""
+    me, into = _Rank(side_stream=True), torch.zeros(LARGE)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    with me.scope():
+        mine = me.tensor(values(rank, LARGE, 11))
+        if rank % 2 == 0:
+            col.send(mine, right, group_name=name)
+        col.recv(into, left, group_name=name)
+        if rank % 2:
+            col.send(mine, right, group_name=name)
+        me.read("recv", into)
+    return me.results(), hetccl_ray.get_group(name).plan_of("send", LARGE * 4)
+
+
+def test_large_messages_between_device_and_host_memory(actors):
+    for rank, (got, plan) in enumerate(_on_all(actors, MIXED, _large_ring, "mixed")):
+        assert plan == "pull"
+        np.testing.assert_array_equal(got["recv"], values((rank - 1) % len(MIXED), LARGE, 11), err_msg=f"rank {rank}")
+
+
 def _messages(rank: int, world: int, name: str) -> int:
     return hetccl_ray.border_stats(name)["messages_sent"]
 

@@ -249,6 +249,60 @@ def test_large_alltoall_on_one_host_is_pulled_or_goes_straight(actors, name, pla
     assert sum(sent for _, _, sent, _ in results) == (0 if plan == "pull" else crossing * 60_000 * 4)
 
 
+LARGE = (4 << 20) // 4 + 3  # float32 elements: a message from 4 MiB is pulled by its receiver on one host
+
+
+def _large_ring(name, rank, world):
+    """Each rank sends the next a message large enough to be pulled (even ranks send first)."""
+    right, left, got = (rank + 1) % world, (rank - 1) % world, torch.zeros(LARGE)
+    mine = torch.from_numpy(block(rank, right, LARGE)).float()
+    if rank % 2 == 0:
+        col.send(mine, right, group_name=name)
+        sent = _last_bytes(name)
+    col.recv(got, left, group_name=name)
+    if rank % 2:
+        col.send(mine, right, group_name=name)
+        sent = _last_bytes(name)
+    return got.numpy(), sent, hetccl_ray.get_group(name).plan_of("send", LARGE * 4)
+
+
+@pytest.mark.parametrize("name, plan", [("three-flat", "pull"), ("three", "p2p")])
+def test_large_messages_on_one_host_are_pulled_by_their_receivers(actors, name, plan):
+    """With shared memory (and ranks that may read each other's memory) only where the bytes
+    lie crosses the border (16 B); without, the bytes themselves."""
+    results = on_all(actors, name, _large_ring)
+    islands = [island for island, _ in LAYOUTS[name]]
+    for rank, (got, sent, taken) in enumerate(results):
+        left, right = (rank - 1) % 6, (rank + 1) % 6
+        assert taken == plan
+        np.testing.assert_array_equal(got, block(left, rank, LARGE).astype(np.float32), err_msg=f"rank {rank}")
+        assert sent == (islands[rank] != islands[right]) * (16 if plan == "pull" else LARGE * 4), (rank, sent)
+
+
+def _mismatched_large_message(name, rank, world):
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            col.send(torch.ones(LARGE + 1), 1, group_name=name)
+        else:
+            col.recv(torch.zeros(LARGE), 0, group_name=name)
+    except hetccl_ray.HetCCLError as exc:
+        return time.monotonic() - started, str(exc)
+    return None, "no error"
+
+
+def test_a_pulled_message_of_another_size_is_named_and_its_sender_freed(actors):
+    """The receiver names both sizes; the sender, waiting for its bytes to be read, fails as
+    soon as the receiver's group closes, not at its deadline."""
+    pair = [actors["a"][0], actors["b"][0]]
+    hetccl_ray.create_collective_group(pair, 2, [0, 1], group_name="pull-mismatch", timeout_s=30, flat="on")
+    (sender_s, sender), (_, receiver) = ray.get(
+        [a.call.remote(_mismatched_large_message, "pull-mismatch", r, 2) for r, a in enumerate(pair)], timeout=120)
+    assert "recv #1 in group 'pull-mismatch'" in receiver, receiver
+    assert f"{LARGE * 4} bytes from rank 0" in receiver and f"{LARGE * 4 + 4} bytes" in receiver, receiver
+    assert "send #1 in group 'pull-mismatch'" in sender and "rank 1" in sender and sender_s < 10, sender
+
+
 @pytest.mark.parametrize("name", ["two", "three"])
 def test_alltoall_mismatched_splits_named_on_every_rank(actors, name):
     results = on_all(actors, name, _wrong_split_then_right)

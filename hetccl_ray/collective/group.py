@@ -155,7 +155,9 @@ class HetCCLGroup(BaseGroup):
         """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round",
         "flat" (CPU tensors on every rank) or "plan" (one island: the vendor op); all-to-all:
         "flat" through shared memory, "pull" from the senders' memory, else "direct" (blocks
-        straight to their ranks)."""
+        straight to their ranks); a send of CPU memory: "pull" by its receiver, else "p2p"."""
+        if op == "send":
+            return "pull" if self._shared is not None and self._shared.pulls_message(nbytes) else "p2p"
         if op == "alltoall":
             if self._shared is None or not every_rank_on_host or not self._shared.takes_alltoall(nbytes):
                 return "direct"

@@ -31,7 +31,7 @@ from hetccl_ray.buffers import copy, view
 from hetccl_ray.collective.calls import on_host
 from hetccl_ray.collective.island import IslandComm
 from hetccl_ray.collective.runner import PlanContext, execute, pipelined
-from hetccl_ray.transport.base import Border
+from hetccl_ray.transport.base import Border, mismatch
 
 
 class LazyIsland:
@@ -247,17 +247,42 @@ def _by_island(ctx: PlanContext, peer: int) -> bool:
     return same and (ctx.direct is None or not ctx.device.host)
 
 
+_PULL = b"pull"  # a message's control bytes: its payload is where the sender's bytes lie, to be pulled
+
+
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
-    """Vendor P2P inside an island, the border otherwise."""
+    """Vendor P2P inside an island; on one host a large CPU message is pulled by its receiver
+    (the sender sends where its bytes lie, then waits until they are read: one copy, not two
+    through a socket); the border otherwise."""
     if _by_island(ctx, peer):
         ctx.island.send(buf, ctx.topo.local_rank(peer))
+    elif ctx.shared is not None and ctx.device.host and ctx.shared.pulls_message(buf.nbytes):
+        where = torch.tensor([buf.data_ptr(), buf.nbytes], dtype=torch.int64)
+        ctx.wait(ctx.direct.isend(peer, where, ctx.tag, extra=_PULL))
+        ctx.shared.wait_pulled(peer)
     else:
         ctx.exchange(sends=[(peer, buf)], recvs=[])
 
 
 def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
-    """Counterpart of :func:`send`."""
+    """Counterpart of :func:`send`: on one host the sender decides (its buffer may be on a
+    device), so a receive takes the bytes or where they lie, and names a size mismatch."""
     if _by_island(ctx, peer):
         ctx.island.recv(buf, ctx.topo.local_rank(peer))
+    elif ctx.shared is not None:
+        ctx.host_wait()
+        handle = ctx.direct.irecv(peer, buf, ctx.tag, flexible=True)
+        ctx.wait(handle)
+        if handle.spill is None:  # the bytes themselves
+            return
+        pulled = handle.extra == _PULL
+        address, nbytes = torch.frombuffer(handle.spill, dtype=torch.int64).tolist() if pulled \
+            else (0, len(handle.spill))
+        if not pulled or nbytes != buf.nbytes:
+            raise mismatch(ctx.rank, ctx.tag, buf.nbytes, peer, ctx.tag, nbytes)
+        into = buf if ctx.device.host else torch.empty(buf.shape, dtype=buf.dtype)
+        ctx.shared.pull_message(peer, into, address)
+        if into is not buf:
+            ctx.launch(copy, buf, into)
     else:
         ctx.exchange(sends=[], recvs=[(peer, buf)])

@@ -9,7 +9,8 @@ check is one step whose rows every rank reads; then each op copies its input int
 segment, steps, and reads its peers' (allreduce and reduce fold one slice per rank in place,
 step again and copy the slices out: every rank gets the same bytes). Where the ranks may
 read each other's memory (``process_vm_readv``, as MPI's CMA), a large all-to-all moves each
-block once: its receiver pulls it straight from its sender's buffer.
+block once: its receiver pulls it straight from its sender's buffer; so does a large message
+(the sender tells where its bytes lie and waits until its receiver counts them read).
 
 Rows and data are double-buffered by parity: a rank rewrites one two checks later, after
 the next check proved every rank done reading it. A rank that must wait yields its core a
@@ -30,7 +31,7 @@ import platform
 import secrets
 import select
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +53,10 @@ AHEAD_BYTES = 1 << 20  # data up to this goes ahead of the call check (beyond, a
 # ranks cannot read each other's memory go straight over Unix sockets, whose copies overlap
 # (2x2 16 MiB 0.89x, 1+2+3 0.72x of Gloo through the segments; 1-1.07x straight)
 ALLTOALL_BYTES = 1 << 20
+# messages from this size are pulled by their receiver: a send this large already waits for its
+# receiver over a Unix socket (whose buffer holds 4 MiB), so pulling it makes no program wait
+# that did not; two copies through the socket become one
+MESSAGE_PULL_BYTES = 4 << 20
 _SPIN = 256  # polls that yield the core before a waiting rank sleeps on its pipe
 _RECHECK_S = 0.002  # a waiting rank looks again this often, had its wake-up been missed
 _LIVENESS_S = 0.05  # how often a waiting step asks whether a late rank's process is gone
@@ -109,6 +114,8 @@ class ShmLibrary:
         self._arrived = self._slots[:, 0]
         self._rows_at = 8 + 2 * self._row_words(row_width)  # a slot: counter line, two rows, block addresses
         self._where = self._slots[:, self._rows_at:self._rows_at + size]
+        self._read_from = self._slots[:, -size:]  # [r, s]: how many of rank s's messages rank r has pulled
+        self._offered = [0] * size  # messages this rank offered each rank to pull
         self._failed = words[size * self._slot:]  # one word: 1 + the rank that failed
         self._steps, self._checks, self._ops, self._half, self._generation = 0, 0, 0, 0, 0
         self._ahead_of = -1  # the check whose op's data went ahead of it (``ahead``)
@@ -124,8 +131,9 @@ class ShmLibrary:
     @classmethod
     def _slot_words(cls, row_width: int, size: int) -> int:
         """A rank's int64 words in the control segment: its counter's cache line, two rows,
-        then the address of its block for each rank (an all-to-all pulled), whole cache lines."""
-        return 8 + 2 * cls._row_words(row_width) + -(-size // 8) * 8
+        the address of its block for each rank (an all-to-all pulled), then how many messages
+        it pulled from each rank, whole cache lines."""
+        return 8 + 2 * cls._row_words(row_width) + 2 * -(-size // 8) * 8
 
     @classmethod
     def control_bytes(cls, size: int, row_width: int) -> int:
@@ -206,16 +214,24 @@ class ShmLibrary:
         step = self._steps
         self._arrived[self.rank] = step
         if (self._arrived >= step).all():  # the last to arrive: wake the others
-            for r, wake in enumerate(self._wakes):
-                if r != self.rank:
-                    try:
-                        os.write(wake, b"\0")
-                    except BlockingIOError:  # its pipe is full of wake-ups: it is awake
-                        pass
+            self._wake(r for r in range(self.size) if r != self.rank)
             return
+        self._wait(lambda: bool((self._arrived >= step).all()), what,
+                   lambda: [self._names[r] for r in range(self.size) if self._arrived[r] < step])
+
+    def _wake(self, ranks: Iterable[int]) -> None:
+        for r in ranks:
+            try:
+                os.write(self._wakes[r], b"\0")
+            except BlockingIOError:  # its pipe is full of wake-ups: it is awake
+                pass
+
+    def _wait(self, done: Callable[[], bool], what: str, late_of: Callable[[], list[int]]) -> None:
+        """Wait until ``done()`` (before the deadline; ``late_of()``: the ranks, by name, that
+        it waits for, failing at once where one's process is gone)."""
         for _ in range(_SPIN):
             os.sched_yield()
-            if (self._arrived >= step).all():
+            if done():
                 return
         start = asked = time.monotonic()
         while True:
@@ -224,12 +240,12 @@ class ShmLibrary:
                 os.read(self._wakes[self.rank], 4096)
             except BlockingIOError:
                 pass
-            if (self._arrived >= step).all():
+            if done():
                 return
             if self._failed[0]:
                 raise HetCCLPeerError(f"shared-memory {what}: rank {self._names[int(self._failed[0]) - 1]} failed")
             now = time.monotonic()
-            late = [self._names[r] for r in range(self.size) if self._arrived[r] < step]
+            late = late_of()
             if now - asked > _LIVENESS_S:
                 asked = now
                 dead = [r for r in late if self._gone(r)]
@@ -439,12 +455,38 @@ class ShmLibrary:
         for k in range(1, self.size):
             r = (self.rank + k) % self.size
             if counts[r][self.rank]:
-                failed = _pull(self._pids[r], outputs[r], int(self._where[r, self.rank]))
-                if failed is not None:
-                    self._failed[0] = self.rank + 1
-                    raise HetCCLPeerError(f"shared-memory alltoall: reading rank {self._names[r]}'s block on rank "
-                                          f"{self._names[self.rank]} failed: {failed}")
+                self._read(r, outputs[r], int(self._where[r, self.rank]), "alltoall")
         self._step("alltoall")
+
+    def _read(self, r: int, into: torch.Tensor, address: int, what: str) -> None:
+        """Copy rank ``r``'s bytes at ``address`` into ``into``; a failure fails every rank's
+        next wait too."""
+        failed = _pull(self._pids[r], into, address)
+        if failed is not None:
+            self._failed[0] = self.rank + 1
+            raise HetCCLPeerError(f"shared-memory {what}: reading rank {self._names[r]}'s buffer on rank "
+                                  f"{self._names[self.rank]} failed: {failed}")
+
+    # -- messages: pulled by their receiver --------------------------------------------------------
+
+    def pulls_message(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` from host memory is pulled by its receiver."""
+        return self._pids is not None and nbytes >= MESSAGE_PULL_BYTES
+
+    def wait_pulled(self, name: int) -> None:
+        """After offering rank ``name`` a message (where its bytes lie): wait until it has read them."""
+        r = self._names.index(name)
+        self._offered[r] += 1
+        offered = self._offered[r]
+        self._wait(lambda: self._read_from[r, self.rank] >= offered, f"send to rank {name}", lambda: [name])
+
+    def pull_message(self, name: int, into: torch.Tensor, address: int) -> None:
+        """Read the message rank ``name`` offered (its bytes at ``address``) into ``into``, and
+        tell it so."""
+        r = self._names.index(name)
+        self._read(r, into, address, f"recv from rank {name}")
+        self._read_from[self.rank, r] += 1
+        self._wake([r])
 
     def _fold(self, target: torch.Tensor, regions: list[torch.Tensor], span: Span, op: str) -> None:
         """``target`` (this rank's values) op= every peer's ``span``, in rank order."""
