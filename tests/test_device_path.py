@@ -20,7 +20,7 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
-from hetccl_ray import devices
+from hetccl_ray import bench, devices
 from tests import cluster as test_cluster
 from tests.cases import values
 
@@ -120,13 +120,7 @@ def every_op(rank: int, world: int, name: str, side_stream: bool) -> dict:
             group.scatter(piece, [me.tensor(values(100 + t, n, 8)) for t in range(world)] if rank == 0 else None, 0)
             me.read(("scatter", n), piece)
             into = torch.zeros(n)
-            right, left = (rank + 1) % world, (rank - 1) % world
-            if rank % 2 == 0:
-                col.send(me.tensor(values(rank, n, 9)), right, group_name=name)
-                col.recv(into, left, group_name=name)
-            else:
-                col.recv(into, left, group_name=name)
-                col.send(me.tensor(values(rank, n, 9)), right, group_name=name)
+            bench.COLLS["sendrecv"].call(name, world, rank, me.tensor(values(rank, n, 9)), into)()
             me.read(("recv", n), into)
             wide = torch.zeros(n, 2)  # a non-contiguous column: worked on in a copy, copied back
             me.launch(wide[:, 1].copy_, torch.tensor(values(rank, n, 10), dtype=torch.float32))
@@ -177,14 +171,8 @@ def _large_ring(rank: int, world: int, name: str) -> tuple[dict, str]:
     """Messages large enough to be pulled, around GPU, CPU, GPU, CPU: a device sender sends
     the bytes, a host one where they lie, which a device receiver pulls into host memory."""
     me, into = _Rank(side_stream=True), torch.zeros(LARGE)
-    right, left = (rank + 1) % world, (rank - 1) % world
     with me.scope():
-        mine = me.tensor(values(rank, LARGE, 11))
-        if rank % 2 == 0:
-            col.send(mine, right, group_name=name)
-        col.recv(into, left, group_name=name)
-        if rank % 2:
-            col.send(mine, right, group_name=name)
+        bench.COLLS["sendrecv"].call(name, world, rank, me.tensor(values(rank, LARGE, 11)), into)()
         me.read("recv", into)
     return me.results(), hetccl_ray.get_group(name).plan_of("send", LARGE * 4)
 

@@ -15,6 +15,7 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
+from hetccl_ray import bench
 from tests import cluster as test_cluster
 from tests.cases import DTYPES, REDUCE_OPS, SIZES, as_float, itemsize, libs, make, seed_of, values
 
@@ -253,16 +254,12 @@ LARGE = (4 << 20) // 4 + 3  # float32 elements: a message from 4 MiB is pulled b
 
 
 def _large_ring(name, rank, world):
-    """Each rank sends the next a message large enough to be pulled (even ranks send first)."""
-    right, left, got = (rank + 1) % world, (rank - 1) % world, torch.zeros(LARGE)
-    mine = torch.from_numpy(block(rank, right, LARGE)).float()
-    if rank % 2 == 0:
-        col.send(mine, right, group_name=name)
-        sent = _last_bytes(name)
-    col.recv(got, left, group_name=name)
-    if rank % 2:
-        col.send(mine, right, group_name=name)
-        sent = _last_bytes(name)
+    """Each rank sends the next a message large enough to be pulled (the bench's ring: even
+    ranks send first); the receive sends nothing over the border."""
+    got, mine = torch.zeros(LARGE), torch.from_numpy(block(rank, (rank + 1) % world, LARGE)).float()
+    before = hetccl_ray.border_stats(name)["bytes_sent"]
+    bench.COLLS["sendrecv"].call(name, world, rank, mine, got)()
+    sent = hetccl_ray.border_stats(name)["bytes_sent"] - before
     return got.numpy(), sent, hetccl_ray.get_group(name).plan_of("send", LARGE * 4)
 
 
