@@ -276,13 +276,13 @@ def test_large_messages_on_one_host_are_pulled_by_their_receivers(actors, name, 
         assert sent == (islands[rank] != islands[right]) * (16 if plan == "pull" else LARGE * 4), (rank, sent)
 
 
-def _mismatched_large_message(name, rank, world):
+def _mismatched_large_message(name, rank, world, received=LARGE):
     started = time.monotonic()
     try:
         if rank == 0:
             col.send(torch.ones(LARGE + 1), 1, group_name=name)
         else:
-            col.recv(torch.zeros(LARGE), 0, group_name=name)
+            col.recv(torch.zeros(received), 0, group_name=name)
     except hetccl_ray.HetCCLError as exc:
         return time.monotonic() - started, str(exc)
     return None, "no error"
@@ -298,6 +298,20 @@ def test_a_pulled_message_of_another_size_is_named_and_its_sender_freed(actors):
     assert "recv #1 in group 'pull-mismatch'" in receiver, receiver
     assert f"{LARGE * 4} bytes from rank 0" in receiver and f"{LARGE * 4 + 4} bytes" in receiver, receiver
     assert "send #1 in group 'pull-mismatch'" in sender and "rank 1" in sender and sender_s < 10, sender
+
+
+@pytest.mark.parametrize("received", [4, 256])
+def test_a_pulled_message_to_a_small_receive_is_named_not_landed(actors, received):
+    """A receive too small to be pulled takes its message straight, so a sender offering a
+    larger one to pull is named with its size, even where the offer (16 B) fits the buffer."""
+    pair = [actors["a"][0], actors["b"][0]]
+    name = f"pull-small-{received}"
+    hetccl_ray.create_collective_group(pair, 2, [0, 1], group_name=name, timeout_s=30, flat="on")
+    (_, sender), (_, receiver) = ray.get(
+        [a.call.remote(_mismatched_large_message, name, r, 2, received) for r, a in enumerate(pair)], timeout=120)
+    assert f"recv #1 in group '{name}'" in receiver and "mismatched call" in receiver, receiver
+    assert f"{received * 4} bytes from rank 0" in receiver and f"{LARGE * 4 + 4} bytes" in receiver, receiver
+    assert "send #1" in sender and "rank 1" in sender, sender
 
 
 @pytest.mark.parametrize("name", ["two", "three"])

@@ -39,6 +39,7 @@ from hetccl_ray.collective.tensors import Operand, same_kind
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError)
 from hetccl_ray.transport import verbs
+from hetccl_ray.transport.base import mismatch
 from hetccl_ray.transport.choice import Choice
 
 logger = logging.getLogger(__name__)
@@ -544,8 +545,14 @@ class HetCCLGroup(BaseGroup):
         return x, peer
 
     def _p2p(self, op: str, x: Operand, peer: int) -> None:
-        """A send or receive run to completion as one op (in the island library for device
-        tensors of island peers, over the border otherwise)."""
+        """A send or receive run to completion as one op: a host message straight over the
+        border (:meth:`_post`: no plan to choose, so none of the op wrapper's work), except one
+        pulled on one host; the rest through the wrapper (the island library for device
+        tensors of island peers, the border otherwise)."""
+        if devices.of(x.flat).host and x.numel and not (self._shared is not None
+                                                         and self._shared.pulls_message(x.flat.nbytes)):
+            self._post(op, x, peer)()
+            return
         plan = plans.send if op == "send" else plans.recv
         self._run(Call(op, x.flat.dtype, x.numel), x.flat, lambda ctx: plan(ctx, x.flat, peer), peer=peer,
                   after=x.write_back if op == "recv" else None)
@@ -567,17 +574,38 @@ class HetCCLGroup(BaseGroup):
         if not devices.of(x.flat).host or not x.numel:
             self._p2p(op, x, peer)
             return lambda: None
+        return self._post(op, x, peer, tag)
+
+    def _post(self, op: str, x: Operand, peer: int, tag: int = 0) -> Callable[[], None]:
+        """Post a host message over the border under this rank's next sequence number with
+        ``peer`` (the op wrapper's error state and deadline, none of its plan choice); returns
+        its wait. On one host a receive takes whatever its sender sent, so that a sender
+        offering a message to pull (a larger one) is named as a mismatch, not misread."""
         with self._lock:
             self._raise_if_broken()
             seq = self._next_p2p_seq(op, peer, tag)
-            where = f"{op} #{seq & 0xFFFFFFFF} (tag {tag}) in group '{self.group_name}' on rank {self.rank}"
+            where = (f"{op} #{seq & 0xFFFFFFFF}{f' (tag {tag})' if tag else ''} in group '{self.group_name}' "
+                     f"on rank {self.rank}")
             mark = Call(op, x.flat.dtype, x.numel, seq=seq).tag()
-            handle = self.border.isend(peer, x.flat, mark) if op == "send" else self.border.irecv(peer, x.flat, mark)
+            flexible = op == "recv" and self._shared is not None and peer not in self.border.routes
+            try:
+                handle = (self.border.isend(peer, x.flat, mark) if op == "send" else
+                          self.border.default.irecv(peer, x.flat, mark, flexible=True) if flexible else
+                          self.border.irecv(peer, x.flat, mark))
+            except (HetCCLError, RuntimeError) as exc:
+                self._broken = self._explain(exc, where, seq, peer)
+                self.border.close()
+                raise self._broken from exc
+            self.last_op_bytes_sent = x.flat.nbytes if op == "send" else 0
+            self._sent_by_op[op] += self.last_op_bytes_sent
         deadline = time.monotonic() + self.options.timeout_s
 
         def wait() -> None:
             try:
                 handle.wait(max(deadline - time.monotonic(), 0.0))
+                landed = plans.spilled(handle, x.flat) if flexible else None
+                if landed is not None:  # a larger message, offered to pull, or bytes of another size
+                    raise mismatch(self.rank, mark, x.flat.nbytes, peer, mark, landed[1])
             except (HetCCLError, RuntimeError) as exc:
                 with self._lock:
                     self._broken = self._broken or self._explain(exc, where, seq, peer)

@@ -31,7 +31,7 @@ from hetccl_ray.buffers import copy, view
 from hetccl_ray.collective.calls import on_host
 from hetccl_ray.collective.island import IslandComm
 from hetccl_ray.collective.runner import PlanContext, execute, pipelined
-from hetccl_ray.transport.base import Border, mismatch
+from hetccl_ray.transport.base import Border, Handle, mismatch
 
 
 class LazyIsland:
@@ -250,6 +250,17 @@ def _by_island(ctx: PlanContext, peer: int) -> bool:
 _PULL = b"pull"  # a message's control bytes: its payload is where the sender's bytes lie, to be pulled
 
 
+def spilled(handle: Handle, buf: torch.Tensor) -> Optional[tuple[Optional[int], int]]:
+    """What a flexible receive into ``buf`` got: None for the bytes themselves; else where a
+    message offered to pull lies (its 16 B in the spill, or in ``buf`` had it that size) and
+    its size, or None and the size of bytes of another size (in the spill)."""
+    if handle.extra == _PULL:
+        raw = handle.spill if handle.spill is not None else bytearray(buf.view(torch.uint8).numpy().tobytes())
+        address, nbytes = torch.frombuffer(raw, dtype=torch.int64).tolist()
+        return address, nbytes
+    return None if handle.spill is None else (None, len(handle.spill))
+
+
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     """Vendor P2P inside an island; on one host a large CPU message is pulled by its receiver
     (the sender sends where its bytes lie, then waits until they are read: one copy, not two
@@ -273,12 +284,11 @@ def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
         ctx.host_wait()
         handle = ctx.direct.irecv(peer, buf, ctx.tag, flexible=True)
         ctx.wait(handle)
-        if handle.spill is None:  # the bytes themselves
+        landed = spilled(handle, buf)
+        if landed is None:  # the bytes themselves
             return
-        pulled = handle.extra == _PULL
-        address, nbytes = torch.frombuffer(handle.spill, dtype=torch.int64).tolist() if pulled \
-            else (0, len(handle.spill))
-        if not pulled or nbytes != buf.nbytes:
+        address, nbytes = landed
+        if address is None or nbytes != buf.nbytes:
             raise mismatch(ctx.rank, ctx.tag, buf.nbytes, peer, ctx.tag, nbytes)
         into = buf if ctx.device.host else torch.empty(buf.shape, dtype=buf.dtype)
         ctx.shared.pull_message(peer, into, address)
