@@ -422,7 +422,7 @@ class HetCCLGroup(BaseGroup):
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
         x = Operand(self.args.one(tensor, "allgather input"), moving=True)
         outputs = self.args.per_rank_list(tensor_list, "allgather output tensor_list", moving=True)
-        same_kind(x, outputs, "allgather output tensor_list")
+        same_kind(x.flat, [o.flat for o in outputs], "allgather output tensor_list")
         n, order = x.numel, self.topology.island_major_order()
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
         mine = order.index(self.rank)
@@ -439,7 +439,7 @@ class HetCCLGroup(BaseGroup):
                       reducescatter_options: Any = _pinned(ReduceScatterOptions, reduceOp=ReduceOp.SUM)) -> None:
         out = Operand(self.args.one(tensor, "reducescatter output"))
         inputs = self.args.per_rank_list(tensor_list, "reducescatter input tensor_list")
-        same_kind(out, inputs, "reducescatter input tensor_list")
+        same_kind(out.flat, [i.flat for i in inputs], "reducescatter input tensor_list")
         op = self.args.reduce_op(reducescatter_options)
         n, order = out.numel, self.topology.island_major_order()
         buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
@@ -469,7 +469,7 @@ class HetCCLGroup(BaseGroup):
                       after: Optional[Callable[[], Any]] = None) -> None:
         """:meth:`alltoall` on flat contiguous tensors (views of one buffer are fine); ``after``:
         device work once the outputs are filled (writing them back into the user's tensors)."""
-        same_kind(Operand(inputs[0]), [Operand(t) for t in [*inputs, *outputs]], "alltoall tensors", sizes=False)
+        same_kind(inputs[0], [*inputs, *outputs], "alltoall tensors", sizes=False)
         if overlap(inputs, outputs):  # in place: blocks leave from a copy, so none is overwritten before it is read
             inputs = list(torch.cat(inputs).split([t.numel() for t in inputs]))
         mine = [t.numel() for t in inputs] + [t.numel() for t in outputs]
@@ -496,7 +496,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self.args.one(tensor, "gather"), moving=True)
         root = self.args.rank(root, "gather root")
         outs = self.args.per_rank_list(gather_list, "gather_list", nested=False, moving=True) if self.rank == root else []
-        same_kind(x, outs, "gather_list")
+        same_kind(x.flat, [o.flat for o in outs], "gather_list")
         n, empty = x.numel, x.flat[:0]
         counts = [[n if t == root else 0 for t in range(self.world_size)] for _ in range(self.world_size)]
         ins = [x.flat if t == root else empty for t in range(self.world_size)]
@@ -510,7 +510,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self.args.one(tensor, "scatter"), moving=True)
         root = self.args.rank(root, "scatter root")
         ins = self.args.per_rank_list(scatter_list, "scatter_list", nested=False, moving=True) if self.rank == root else []
-        same_kind(x, ins, "scatter_list")
+        same_kind(x.flat, [i.flat for i in ins], "scatter_list")
         n, empty = x.numel, x.flat[:0]
         counts = [[n if r == root else 0 for _ in range(self.world_size)] for r in range(self.world_size)]
         flats = [i.flat for i in ins] or [empty] * self.world_size

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -80,16 +80,16 @@ class Operand:
             self.view.copy_(self.contiguous)
 
 
-def same_kind(reference: Operand, others: list[Operand], what: str, sizes: bool = True) -> None:
-    """Every operand of one call has the reference's dtype, device and (with ``sizes``)
+def same_kind(reference: torch.Tensor, others: Sequence[torch.Tensor], what: str, sizes: bool = True) -> None:
+    """Every flat buffer of one call has the reference's dtype, device and (with ``sizes``)
     element count."""
-    def kind(x: Operand) -> tuple:
-        return (x.flat.dtype, x.flat.device) + ((x.numel,) if sizes else ())
+    def kind(t: torch.Tensor) -> tuple:
+        return (t.dtype, t.device) + ((t.numel(),) if sizes else ())
 
+    want = kind(reference)
     for i, other in enumerate(others):
-        if kind(other) != kind(reference):
-            count = f" with {reference.numel}" if sizes else ""
+        if kind(other) != want:
+            count = f" with {reference.numel()}" if sizes else ""
             raise HetCCLInputError(
-                f"{what}[{i}] is {other.flat.dtype} on {other.flat.device} with {other.numel} elements; "
-                f"expected {reference.flat.dtype} on {reference.flat.device}{count}")
-
+                f"{what}[{i}] is {other.dtype} on {other.device} with {other.numel()} elements; "
+                f"expected {reference.dtype} on {reference.device}{count}")
