@@ -1,8 +1,9 @@
 """HetCCLGroup: Ray's ``BaseGroup`` for islands of mixed vendors joined by a border.
 
-Rendezvous (KV records -> topology -> border + island communicators), then every op goes
-through one wrapper (:meth:`HetCCLGroup._run`) that owns sequence numbers, deadlines,
-counters and error state; the plans in ``plans.py`` do the moving.
+Rendezvous (KV records -> topology -> border + island communicators), then every collective
+goes through one wrapper (:meth:`HetCCLGroup._run`) that owns sequence numbers, deadlines,
+counters and error state; the plans in ``plans.py`` do the moving. A host message, which has
+no plan to choose, is posted straight over the border under the same state (:meth:`_post`).
 """
 
 from __future__ import annotations
