@@ -588,7 +588,7 @@ class HetCCLGroup(BaseGroup):
             where = (f"{op} #{seq & 0xFFFFFFFF}{f' (tag {tag})' if tag else ''} in group '{self.group_name}' "
                      f"on rank {self.rank}")
             mark = Call(op, x.flat.dtype, x.numel, seq=seq).tag()
-            flexible = op == "recv" and self._shared is not None and peer not in self.border.routes
+            flexible = op == "recv" and self._shared is not None and peer not in self.border.routed_peers
             try:
                 handle = (self.border.isend(peer, x.flat, mark) if op == "send" else
                           self.border.default.irecv(peer, x.flat, mark, flexible=True) if flexible else

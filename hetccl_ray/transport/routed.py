@@ -17,6 +17,7 @@ class RoutedBorder:
         self.default = default
         self.routes = dict(routes or {})
         self.rank = default.rank
+        self._every = list({id(b): b for b in [default, *self.routes.values()]}.values())  # each border once
 
     def __repr__(self) -> str:
         rdma = sorted(self.routes)
@@ -27,9 +28,6 @@ class RoutedBorder:
         """The peers reached through a border of their own (RDMA), not ``default``."""
         return sorted(self.routes)
 
-    def _borders(self) -> list[Any]:
-        return list({id(b): b for b in [self.default, *self.routes.values()]}.values())
-
     @property
     def address(self) -> tuple[str, int]:
         return self.default.address
@@ -39,7 +37,7 @@ class RoutedBorder:
         return self.default.rejected
 
     def _total(self, counter: str) -> int:
-        return sum(getattr(b, counter) for b in self._borders())
+        return sum(getattr(b, counter) for b in self._every)
 
     bytes_sent = property(lambda self: self._total("bytes_sent"))
     bytes_received = property(lambda self: self._total("bytes_received"))
@@ -62,5 +60,5 @@ class RoutedBorder:
         return self.routes.get(peer, self.default).irecv(peer, buf, tag, op=op)
 
     def close(self) -> None:
-        for border in self._borders():
+        for border in self._every:
             border.close()
