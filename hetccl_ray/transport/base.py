@@ -69,15 +69,37 @@ def chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(offset, min(chunk_bytes, nbytes - offset)) for offset in range(0, nbytes, chunk_bytes)]
 
 
+class Flag:
+    """A completion flag for handles that only the thread driving the sockets finishes and
+    whose waiters poll it (TCP): an Event's lock and condition cost more than the message."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._set
+
+
 class Handle:
-    """Completion of one posted send or receive; ``wait`` raises what the transfer raised."""
+    """Completion of one posted send or receive; ``wait`` raises what the transfer raised.
+    ``signal``: what a waiter blocks on (an Event: transfer threads finish it)."""
+
+    signal: type = threading.Event
 
     def __init__(self, peer: int, kind: str) -> None:
         self.peer = peer
         self.kind = kind
         self.extra = b""  # control bytes that came with a received message
         self.spill: Optional[bytearray] = None  # a flexible receive's payload of an unexpected size
-        self._done = threading.Event()
+        self._done = self.signal()
         self._error: Optional[BaseException] = None
 
     @property

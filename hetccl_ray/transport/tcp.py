@@ -41,7 +41,7 @@ from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder
 from hetccl_ray.compress.planes import layout_for
 from hetccl_ray.compress.policy import LinkPolicy
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import HEADER_SIZE, ByteCounter, Handle, Tag, chunks, mismatch
+from hetccl_ray.transport.base import HEADER_SIZE, ByteCounter, Flag, Handle, Tag, chunks, mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,10 @@ class _Handshake:
 
 
 class _DrivenHandle(Handle):
-    """A handle whose ``wait`` drives the border's sockets until it is done."""
+    """A handle whose ``wait`` drives the border's sockets until it is done (whoever drives
+    finishes it, and waiters poll it between drives: a flag, no Event)."""
+
+    signal = Flag
 
     def __init__(self, border: "TcpBorder", peer: int, kind: str) -> None:
         super().__init__(peer, kind)
