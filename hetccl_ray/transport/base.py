@@ -70,8 +70,9 @@ def chunks(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 
 class Flag:
-    """A completion flag for handles that only the thread driving the sockets finishes and
-    whose waiters poll it (TCP): an Event's lock and condition cost more than the message."""
+    """A completion flag for handles whose waiters poll it rather than block on it (TCP's:
+    whichever thread drives the sockets or fails a link finishes them): an Event's lock and
+    condition cost more than a small message's send."""
 
     __slots__ = ("_set",)
 
