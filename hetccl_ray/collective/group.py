@@ -291,9 +291,7 @@ class HetCCLGroup(BaseGroup):
                 with device.using(stream):
                     problem = self._dispatch(ctx, call, body, peer, check, staged, before, after, ahead)
             except (HetCCLError, RuntimeError) as exc:
-                self._broken = self._explain(exc, where, seq, peer)
-                self.border.close()  # peers blocked on this rank fail now, not at their deadline
-                raise self._broken from exc
+                raise self._break(exc, where, seq, peer) from exc
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before_bytes
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
@@ -301,6 +299,14 @@ class HetCCLGroup(BaseGroup):
                     caller.wait(stream.record())
             if problem is not None:  # every rank saw every call and no user buffer changed: still usable
                 raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
+
+    def _break(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
+        """With the lock held: the group is broken by ``exc`` (the first failure stays) and its
+        border closed, so peers blocked on this rank fail now, not at their deadline; returns
+        the error to raise."""
+        self._broken = self._broken or self._explain(exc, where, seq, peer)
+        self.border.close()
+        return self._broken
 
     def _raise_if_broken(self) -> None:
         if self._broken is not None:
@@ -550,8 +556,7 @@ class HetCCLGroup(BaseGroup):
         border (:meth:`_post`: no plan to choose, so none of the op wrapper's work), except one
         pulled on one host; the rest through the wrapper (the island library for device
         tensors of island peers, the border otherwise)."""
-        if devices.of(x.flat).host and x.numel and not (self._shared is not None
-                                                         and self._shared.pulls_message(x.flat.nbytes)):
+        if devices.of(x.flat).host and x.numel and self.plan_of("send", x.flat.nbytes) == "p2p":
             self._post(op, x, peer)()
             return
         plan = plans.send if op == "send" else plans.recv
@@ -594,9 +599,7 @@ class HetCCLGroup(BaseGroup):
                           self.border.default.irecv(peer, x.flat, mark, flexible=True) if flexible else
                           self.border.irecv(peer, x.flat, mark))
             except (HetCCLError, RuntimeError) as exc:
-                self._broken = self._explain(exc, where, seq, peer)
-                self.border.close()
-                raise self._broken from exc
+                raise self._break(exc, where, seq, peer) from exc
             self.last_op_bytes_sent = x.flat.nbytes if op == "send" else 0
             self._sent_by_op[op] += self.last_op_bytes_sent
         deadline = time.monotonic() + self.options.timeout_s
@@ -609,9 +612,8 @@ class HetCCLGroup(BaseGroup):
                     raise mismatch(self.rank, mark, x.flat.nbytes, peer, mark, landed[1])
             except (HetCCLError, RuntimeError) as exc:
                 with self._lock:
-                    self._broken = self._broken or self._explain(exc, where, seq, peer)
-                self.border.close()
-                raise self._broken from exc
+                    broken = self._break(exc, where, seq, peer)
+                raise broken from exc
             x.write_back()
 
         return wait
