@@ -9,18 +9,18 @@ check is one step whose rows every rank reads; then each op copies its input int
 segment, steps, and reads its peers' (allreduce and reduce fold one slice per rank in place,
 step again and copy the slices out: every rank gets the same bytes; small ones whose data went
 ahead of the check are folded whole by every rank, in rank order, with no step of their own).
-Where the ranks may
-read each other's memory (``process_vm_readv``, as MPI's CMA), a large all-to-all moves each
-block once: its receiver pulls it straight from its sender's buffer; so does a large message
-(the sender tells where its bytes lie and waits until its receiver counts them read).
+Where the ranks may read each other's memory (``process_vm_readv``, as MPI's CMA), a large
+all-to-all moves each block once: its receiver pulls it straight from its sender's buffer; so
+does a large message (the sender tells where its bytes lie and waits until its receiver counts
+them read).
 
 Rows and data are double-buffered by parity: a rank rewrites one two checks later, after
 the next check proved every rank done reading it. A rank that must wait polls, yielding its
 core, for half a millisecond, then sleeps on its own named pipe; the last to arrive writes a
 byte to every waiter's (no core spins, which on a host with more ranks than cores would take
-the time of the ranks being waited for). Buffers over ``PIECE_BYTES`` go in pieces, so segments stay
-bounded. Files are unlinked once every rank has mapped them: nothing is left in /dev/shm
-when a process dies. Counter stores are ordered after the data stores only on x86-64
+the time of the ranks being waited for). Buffers over ``PIECE_BYTES`` go in pieces, so
+segments stay bounded. Files are unlinked once every rank has mapped them: nothing is left in
+/dev/shm when a process dies. Counter stores are ordered after the data stores only on x86-64
 (total store order); elsewhere the group keeps Gloo and the border's round.
 """
 
