@@ -3,7 +3,7 @@ copy (one numpy call, or serial pieces, on the CPU), spans, and the one get-or-g
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -63,22 +63,6 @@ def _combine(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
         torch.maximum(dst, src, out=dst)
     else:
         raise ValueError(f"unsupported reduce op {op!r}; supported: {', '.join(REDUCE_OPS)}")
-
-
-def joined(parts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The one flat tensor whose consecutive pieces ``parts`` are, in order (a library call on
-    it needs no copies); None where they are not."""
-    filled = [part for part in parts if part.numel()]
-    if not filled:
-        return parts[0][:0]
-    first = filled[0]
-    storage, offset = first.untyped_storage(), first.storage_offset()
-    for part in filled:
-        if (part.untyped_storage().data_ptr() != storage.data_ptr() or part.storage_offset() != offset
-                or not part.is_contiguous() or part.dtype != first.dtype):
-            return None
-        offset += part.numel()
-    return first.new_empty(0).set_(storage, first.storage_offset(), (offset - first.storage_offset(),))
 
 
 def overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:

@@ -1,5 +1,7 @@
 """Plans alone: threads as ranks over the in-process FAKE island and border."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -235,14 +237,61 @@ def test_alltoall_routes_cross_once(layout):
             assert [m.stage for m in hops] == sorted(m.stage for m in hops)
 
 
-def test_joined_finds_one_buffer_only_for_consecutive_pieces_in_order():
-    from hetccl_ray.buffers import joined, overlap
+def test_overlap_finds_a_shared_byte_between_views_of_one_buffer_only():
+    from hetccl_ray.buffers import overlap
 
     whole = torch.arange(10.0)
-    parts = list(whole.split([3, 0, 7]))
-    np.testing.assert_array_equal(joined(parts).numpy(), np.arange(10.0))
-    np.testing.assert_array_equal(joined([whole[2:5], whole[5:9]]).numpy(), np.arange(2.0, 9.0))
-    assert joined([parts[2], parts[0]]) is None  # out of order
-    assert joined([torch.ones(2), torch.ones(2)]) is None  # two buffers
-    assert joined([whole.view(2, 5)[:, :2].reshape(-1)[:0], whole[:0]]).numel() == 0
-    assert overlap(whole[:5], whole[4:]) and not overlap(whole[:5], whole[5:])
+    assert overlap([whole[:5]], [whole[9:], whole[4:6]]) and not overlap([whole[:5]], [whole[5:], torch.arange(5.0)])
+    assert not overlap([whole[:0]], [whole])  # an empty view holds no byte
+
+
+@pytest.mark.parametrize("n", [256, (4 << 20) // 4])  # a message sent as it is, and one large enough to pull
+def test_a_one_host_message_to_a_peer_routed_over_rdma_takes_the_route_at_both_ends(n):
+    """On one host a receive over the TCP border takes whatever its sender chose; a peer with a
+    border of its own (RDMA: the FAKE border stands in for it) is reached there by both ends,
+    or the receiver would wait on a socket its sender never writes."""
+    import queue
+    import threading
+
+    import torch.distributed as dist
+
+    from hetccl_ray.collective import shm
+    from hetccl_ray.transport.routed import RoutedBorder
+    from hetccl_ray.transport.tcp import TcpBorder
+    from tests.fakes import FakeBorder
+
+    tcp = [TcpBorder(r, "127.0.0.1") for r in range(2)]
+    for r, border in enumerate(tcp):
+        border.set_peers({1 - r: tcp[1 - r].address}, b"secret")
+    wires = {(a, b): queue.SimpleQueue() for a in range(2) for b in range(2)}
+    rdma = [FakeBorder(wires, r) for r in range(2)]
+    store, libraries = dist.HashStore(), [None, None]
+
+    def form(rank: int) -> None:
+        libraries[rank] = shm.ShmLibrary.create(store, rank, 2, row_width=8, timeout_s=10.0)
+
+    threads = [threading.Thread(target=form, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    data = torch.arange(n, dtype=torch.float32)
+
+    def body(ctx):
+        ctx.direct, ctx.shared, ctx.routed = tcp[ctx.rank], libraries[ctx.rank], frozenset({1 - ctx.rank})
+        ctx.deadline = time.monotonic() + 10
+        if ctx.rank == 0:
+            plans.send(ctx, data, 1)
+            return None
+        buf = torch.zeros(n)
+        plans.recv(ctx, buf, 0)
+        return buf.numpy()
+
+    try:
+        results, _ = run_ranks(["a", "b"], body, borders=[RoutedBorder(tcp[r], {1 - r: rdma[r]}) for r in range(2)])
+    finally:
+        for r in range(2):
+            tcp[r].close()
+            libraries[r].close()
+    np.testing.assert_array_equal(results[1], np.arange(n, dtype=np.float32))
+    assert rdma[0].bytes_sent == n * 4 and tcp[0].bytes_sent == 0

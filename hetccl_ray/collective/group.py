@@ -92,6 +92,7 @@ class HetCCLGroup(BaseGroup):
         self.direct = DirectChannel(formed.direct, group_name, rank, self.options.timeout_s)
         self._rendezvous, self._store, self._store_address = formed.rendezvous, formed.store, formed.store_address
         self._one_host = formed.one_host
+        self._routed = frozenset(self.border.routed_peers)
         for peer, choice in self.lane_transports().items():
             logger.info("hetccl group '%s' rank %d -> rank %d: %s (%s)", group_name, rank, peer, choice.transport,
                         choice.why)
@@ -281,12 +282,10 @@ class HetCCLGroup(BaseGroup):
             caller, stream = device.current_stream(), self._stream_of(device)
             if stream is not None:
                 stream.wait(caller.record())
-            ctx = PlanContext(self.topology, self.rank,
-                                    plans.LazyIsland(lambda: self._island_for(device)), self.border,
-                                    call.tag(),
-                                    time.monotonic() + self.options.timeout_s, self._scratch, self._pipeline,
-                                    self.options.piece_bytes, self.border.default, device, stream,
-                                    shared=self._shared)
+            ctx = PlanContext(self.topology, self.rank, plans.LazyIsland(lambda: self._island_for(device)),
+                              self.border, call.tag(), time.monotonic() + self.options.timeout_s, self._scratch,
+                              self._pipeline, self.options.piece_bytes, self.border.default, device, stream,
+                              shared=self._shared, routed=self._routed)
             try:
                 with device.using(stream):
                     problem = self._dispatch(ctx, call, body, peer, check, staged, before, after, ahead)
@@ -529,7 +528,7 @@ class HetCCLGroup(BaseGroup):
         """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
         CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
         x = Operand(self.args.one(tensor, "recv from any source"), moving=True)
-        rdma = self.border.routed_peers
+        rdma = sorted(self._routed)
         if not devices.of(x.flat).host or rdma:
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
             raise HetCCLInputError(f"group '{self.group_name}': recv from any source takes CPU tensors over the "
@@ -593,7 +592,7 @@ class HetCCLGroup(BaseGroup):
             where = (f"{op} #{seq & 0xFFFFFFFF}{f' (tag {tag})' if tag else ''} in group '{self.group_name}' "
                      f"on rank {self.rank}")
             mark = Call(op, x.flat.dtype, x.numel, seq=seq).tag()
-            flexible = op == "recv" and self._shared is not None and peer not in self.border.routed_peers
+            flexible = op == "recv" and plans.by_socket(self._shared, self._routed, peer)
             try:
                 handle = (self.border.isend(peer, x.flat, mark) if op == "send" else
                           self.border.default.irecv(peer, x.flat, mark, flexible=True) if flexible else

@@ -22,7 +22,7 @@ contiguous tensors; per-rank chunks (allgather, reducescatter) are laid out isla
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -261,13 +261,20 @@ def spilled(handle: Handle, buf: torch.Tensor) -> Optional[tuple[Optional[int], 
     return None if handle.spill is None else (None, len(handle.spill))
 
 
+def by_socket(shared: object, routed: Collection[int], peer: int) -> bool:
+    """Whether a message with ``peer`` goes over the TCP border's socket, whose receiver takes
+    whatever its sender chose (the bytes, or where they lie to pull): on one host (``shared``)
+    unless ``peer`` is ``routed`` over a border of its own (RDMA), which both ends then take."""
+    return shared is not None and peer not in routed
+
+
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     """Vendor P2P inside an island; on one host a large CPU message is pulled by its receiver
     (the sender sends where its bytes lie, then waits until they are read: one copy, not two
     through a socket); the border otherwise."""
     if _by_island(ctx, peer):
         ctx.island.send(buf, ctx.topo.local_rank(peer))
-    elif ctx.shared is not None and ctx.device.host and ctx.shared.pulls_message(buf.nbytes):
+    elif by_socket(ctx.shared, ctx.routed, peer) and ctx.device.host and ctx.shared.pulls_message(buf.nbytes):
         where = torch.tensor([buf.data_ptr(), buf.nbytes], dtype=torch.int64)
         ctx.wait(ctx.direct.isend(peer, where, ctx.tag, extra=_PULL))
         ctx.shared.wait_pulled(peer)
@@ -280,7 +287,7 @@ def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     device), so a receive takes the bytes or where they lie, and names a size mismatch."""
     if _by_island(ctx, peer):
         ctx.island.recv(buf, ctx.topo.local_rank(peer))
-    elif ctx.shared is not None:
+    elif by_socket(ctx.shared, ctx.routed, peer):
         ctx.host_wait()
         handle = ctx.direct.irecv(peer, buf, ctx.tag, flexible=True)
         ctx.wait(handle)
