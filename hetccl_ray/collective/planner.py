@@ -49,7 +49,7 @@ class Planner:
     link: Optional[costs.LinkCosts] = None
     flat_link: Optional[costs.LinkCosts] = None
     forced: Optional[str] = None  # ROUND, PLAN or FLAT whatever the size: what calibration times
-    flat_library: str = "Gloo"  # or "shared memory" (every rank on one host: shm.py)
+    shared_memory: bool = False  # the flat library is shm.py's (every rank on one host), not Gloo
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"round", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests' size).
@@ -65,15 +65,17 @@ class Planner:
 
     def describe(self) -> list[str]:
         """The link costs and the plan each op takes by size, as lines for a header."""
-        shared = self.flat_library == "shared memory"
         limits = ", ".join(f"{op} <= {size:,} B" for op, size in self.small_bytes.items() if size >= 0) or "none"
-        measured = self.link.describe() if self.link else "one host, not measured" if shared else "small_bytes option"
+        unmeasured = "one host, not measured" if self.shared_memory else "small_bytes option"
+        measured = self.link.describe() if self.link else unmeasured
         lines = [f"cost model: {measured}", f"small-message round for: {limits}"]
         if self.flat:
             sizes = ", ".join(f"{op} >= {size:,.0f} B" for op, size in self.flat_from.items() if size < math.inf)
             sizes += f" (up to {self.flat_until:,.0f} B)" if sizes and self.flat_until < math.inf else ""
-            how = self.flat_link.describe() if self.flat_link else "every call checked there too" if shared else "flat=on"
-            lines.append(f"flat {self.flat_library} over every rank ({how}) for: {sizes or 'none'}")
+            given = "every call checked there too" if self.shared_memory else "flat=on"
+            how = self.flat_link.describe() if self.flat_link else given
+            library = "shared memory" if self.shared_memory else "Gloo"
+            lines.append(f"flat {library} over every rank ({how}) for: {sizes or 'none'}")
         return lines
 
 
@@ -110,7 +112,7 @@ def shared_memory(topology: Topology) -> Planner:
     """The plan choice of a group on one host (shm.py): no round, the flat plan at every size
     for CPU tensors (no socket is faster than shared memory), the hierarchical one for devices."""
     return Planner(topology, dict.fromkeys(costs.OPS, -1), True, dict.fromkeys(costs.OPS, 0.0),
-                   flat_library="shared memory")
+                   shared_memory=True)
 
 
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
