@@ -482,7 +482,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--op", default="allreduce", help=f"comma list or 'all' of: {', '.join(OPS)}")
     p.add_argument("-d", "--datatype", default="float32", choices=DTYPES)
     p.add_argument("-w", "--warmup_iters", type=int, default=2)
-    p.add_argument("-n", "--iters", type=int, default=None, help=f"timed calls per size (default 5; --demo {DEMO_ITERS})")
+    p.add_argument("-n", "--iters", type=int, default=None,
+                   help=f"timed calls per size (default 5; --demo {DEMO_ITERS})")
     p.add_argument("--layout", default="2x2", help="islands: '2x2' (2 islands of 2), '1,2,3', '4'")
     p.add_argument("--interleave", action="store_true", help="deal ranks to islands round-robin")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
