@@ -1,15 +1,20 @@
 """Plans alone: threads as ranks over the in-process FAKE island and border."""
 
+import queue
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
-from hetccl_ray.collective import plans, routes
+from hetccl_ray.collective import plans, routes, shm
 from hetccl_ray.buffers import combine
 from hetccl_ray.topology import Topology
-from tests.fakes import run_ranks
+from hetccl_ray.transport.routed import RoutedBorder
+from hetccl_ray.transport.tcp import TcpBorder
+from tests.fakes import FakeBorder, run_ranks
 
 LAYOUTS = {
     "2x2": ["a", "a", "b", "b"],
@@ -250,16 +255,6 @@ def test_a_one_host_message_to_a_peer_routed_over_rdma_takes_the_route_at_both_e
     """On one host a receive over the TCP border takes whatever its sender chose; a peer with a
     border of its own (RDMA: the FAKE border stands in for it) is reached there by both ends,
     or the receiver would wait on a socket its sender never writes."""
-    import queue
-    import threading
-
-    import torch.distributed as dist
-
-    from hetccl_ray.collective import shm
-    from hetccl_ray.transport.routed import RoutedBorder
-    from hetccl_ray.transport.tcp import TcpBorder
-    from tests.fakes import FakeBorder
-
     tcp = [TcpBorder(r, "127.0.0.1") for r in range(2)]
     for r, border in enumerate(tcp):
         border.set_peers({1 - r: tcp[1 - r].address}, b"secret")
