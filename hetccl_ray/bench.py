@@ -37,6 +37,7 @@ from hetccl_ray.topology import ISLAND_LABEL, Topology
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+ITERS = 5
 DEMO_ITERS = 20  # the demo's cells are verdicts: a median of 5 calls whose spread reaches 400% is not one
 
 
@@ -483,7 +484,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--datatype", default="float32", choices=DTYPES)
     p.add_argument("-w", "--warmup_iters", type=int, default=2)
     p.add_argument("-n", "--iters", type=int, default=None,
-                   help=f"timed calls per size (default 5; --demo {DEMO_ITERS})")
+                   help=f"timed calls per size (default {ITERS}; --demo {DEMO_ITERS})")
     p.add_argument("--layout", default="2x2", help="islands: '2x2' (2 islands of 2), '1,2,3', '4'")
     p.add_argument("--interleave", action="store_true", help="deal ranks to islands round-robin")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
@@ -539,7 +540,7 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
         args.iters = args.iters or DEMO_ITERS
         rates = [None, *_demo_shaped_rate()]
     spec = BenchSpec(_ops(args.op), sweep(args.minbytes, args.maxbytes, args.stepfactor), args.datatype,
-                     args.warmup_iters, args.iters or 5, args.vs == "gloo", _modes(args.compress), args.data)
+                     args.warmup_iters, args.iters or ITERS, args.vs == "gloo", _modes(args.compress), args.data)
     islands = island_names(parse_layout(args.layout), args.interleave)
     if args.explain:
         return _explain(spec, islands)
