@@ -6,6 +6,8 @@ is one cross-island path: lane ``l`` joins the ``l``-th rank of every island.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -98,7 +100,7 @@ class Topology:
             lanes = min(lanes, max_lanes)
         return cls(islands, lanes)
 
-    @property
+    @functools.cached_property
     def world_size(self) -> int:
         return sum(island.size for island in self.islands)
 
