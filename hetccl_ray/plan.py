@@ -37,7 +37,7 @@ def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int =
             lines.append(f"  link rank {p.rank} -> rank {peer}: {elements * itemsize:,} B")
     small = [rounds.build(topo, r, op, n, root) for r in range(topo.world_size)]
     lines.append(f"small round (3 hops, call rows inside): border bytes "
-                 f"{sum(r.sent(topo) for r in small) * itemsize:,}")
+                 f"{sum(sum(r.sent(topo).values()) for r in small) * itemsize:,}")
     if steps:
         for p in plans:
             lines += p.describe()

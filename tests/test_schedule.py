@@ -73,7 +73,7 @@ def test_explain_prints_the_bound_without_a_cluster(capsys):
     out = capsys.readouterr().out
     assert "3 island(s)" in out and "border bytes 192 = bound 192" in out
     assert "small round (3 hops, call rows inside): border bytes 192" in out
-    assert out.count("rank 5: reducescatter of") == out.count("rank 5: reducescatter round") == 1
+    assert out.count("rank 5: reducescatter plan of") == out.count("rank 5: reducescatter small round of") == 1
 
 
 # -- the small round as data (rounds.py) -----------------------------------------------------------
@@ -94,18 +94,19 @@ def test_round_bytes_and_messages(layout, op, chunk):
     check = _rounds(topo, "check", 0, 0)
     for root in (range(topo.world_size) if op in schedule.ROOTED else [0]):
         built = _rounds(topo, op, n, root)
-        assert sum(r.sent(topo) for r in built) * 4 == schedule.round_bytes(topo, op, n * 4), (op, root)
+        assert sum(sum(r.sent(topo).values()) for r in built) * 4 == schedule.round_bytes(topo, op, n * 4), (op, root)
         for phase in range(3):
-            sent = {(r.rank, peer): ref[2] if ref else 0 for r in built for peer, ref in r.phases[phase].sends}
-            received = {(peer, r.rank): size for r in built for peer, size in r.phases[phase].recvs}
+            steps = [(r.rank, r.pieces[0].across[phase]) for r in built]
+            assert all(step.rows for _, step in steps)
+            sent = {(rank, m.peer): m.span[1] for rank, step in steps for m in step.sends}
+            received = {(m.peer, rank): m.span[1] for rank, step in steps for m in step.recvs}
             assert sent == received, (op, root, phase)
-            assert ({(r.rank, peer) for r in check for peer, _ in r.phases[phase].sends} == set(sent))
+            assert {(r.rank, m.peer) for r in check for m in r.pieces[0].across[phase].sends} == set(sent)
         for r in built:
             sizes = {"buf": n, "out": n // topo.world_size, **dict(r.scratch)}
-            sizes.update({rounds.slot(name, peer): size for name, phase in zip(rounds.PHASES, r.phases)
-                          for peer, size in phase.recvs})
-            refs = [ref for phase in r.phases for _, ref in phase.sends if ref]
-            refs += [ref for phase in r.phases for land in phase.lands for ref in (land.out, *land.parts)]
+            sizes.update({m.buf: m.span[1] for step in r.pieces[0].across for m in step.recvs})
+            refs = [(m.buf, *m.span) for step in r.pieces[0].across for m in step.sends]
+            refs += [ref for step in r.pieces[0].across for land in step.lands for ref in (land.out, *land.parts)]
             refs += [ref for land in r.finish for ref in (land.out, *land.parts)]
             assert all(0 <= offset and offset + length <= sizes[name] for name, offset, length in refs), r
 
@@ -114,8 +115,10 @@ def test_round_cached_and_printable():
     topo = Topology.from_islands(LAYOUTS["2x2"])
     built = rounds.build(topo, 2, "allreduce", 8)
     assert built is rounds.build(topo, 2, "allreduce", 8)
-    assert "\n".join(built.describe()) == ("rank 2: allreduce round\n  up: send [] recv [r3->8]\n"
-                                           "  across: send [partial[0:8]->r0] recv [r0->8]\n"
-                                           "  down: send [total[0:8]->r3] recv []")
+    assert "\n".join(built.describe()) == (
+        "rank 2: allreduce small round of 8 elements, 1 piece(s)\n"
+        "  piece 0 across: border rows send [] recv [r3->up:3[0:8]]\n"
+        "  piece 0 across: border rows send [partial[0:8]->r0] recv [r0->across:0[0:8]]\n"
+        "  piece 0 across: border rows send [total[0:8]->r3] recv []")
     with pytest.raises(ValueError, match="no round for 'gather'"):
         rounds.build(topo, 0, "gather")

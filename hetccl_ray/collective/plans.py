@@ -66,7 +66,9 @@ def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
 
 def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
     """Reduce the island-major ``buf`` of one chunk per rank; returns this rank's reduced chunk."""
-    return execute(ctx, plan_for(ctx, "reducescatter", buf), buf, op)
+    plan = plan_for(ctx, "reducescatter", buf)
+    execute(ctx, plan, buf, op)
+    return view(buf, plan.result)
 
 
 def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:

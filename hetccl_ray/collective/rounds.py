@@ -3,11 +3,12 @@
 Below the group's size threshold a collective costs three message hops instead of the
 hierarchical plans' island and border stages: every rank sends to its island's leader (its
 lowest rank), the leaders exchange once over the border, the leaders send results back.
-Every message also carries the callers' call rows, so the round is the call check too
-(tree.py runs it). Here each op's round is built as data, once per call pattern: per phase
-the sends (a span of a named buffer, or rows only) and receives (into a slot per peer), the
-landings after it (copy, or fold in a fixed order so every rank computes bit-identical
-results), and the landings into the op's own buffers once every rank agreed.
+Every message also carries the callers' call rows, so the round is the call check too.
+Each op's round is a ``schedule.Plan`` built once per call pattern and run by the one runner
+(tree.py gives it the rows): one piece of three border steps (``rows``) with the sends (a
+span of a named buffer, or rows only) and receives (into a slot per peer), the landings
+after each (copy, or fold in a fixed order so every rank computes bit-identical results),
+and the landings into the op's own buffers (``finish``) once every rank agreed.
 
 Named buffers: ``buf`` (the op's flat buffer: for allgather/reducescatter the island-major
 buffer of one chunk per rank), ``out`` (reducescatter's chunk), scratch ``partial`` and
@@ -21,65 +22,12 @@ broadcast, reduce (k-1)S; allreduce k(k-1)S (each island's partial to every othe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
+from hetccl_ray.collective.schedule import BorderStep, Land, Move, Piece, Plan, Ref
 from hetccl_ray.topology import Topology
 
-Ref = tuple[str, int, int]  # (buffer name, offset, elements)
-PHASES = ("up", "across", "down")
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")  # and "check": rows only
-
-
-@dataclass(frozen=True)
-class Land:
-    """``out`` = ``parts`` folded with the reduce op in the order given (``fold``), or a copy
-    of ``parts[0]``."""
-
-    out: Ref
-    parts: tuple[Ref, ...]
-    fold: bool = False
-
-
-@dataclass(frozen=True)
-class Phase:
-    """What this rank sends (a span, or None: rows only) and receives (elements expected) in
-    one phase, then lands."""
-
-    sends: tuple[tuple[int, Optional[Ref]], ...] = ()
-    recvs: tuple[tuple[int, int], ...] = ()
-    lands: tuple[Land, ...] = ()
-
-
-@dataclass(frozen=True)
-class Round:
-    """One rank's round of ``op``: three phases, then ``finish`` (the landings into ``buf`` and
-    ``out``, made only when every rank agreed); ``scratch``: elements of each scratch buffer."""
-
-    op: str
-    rank: int
-    phases: tuple[Phase, Phase, Phase]
-    finish: tuple[Land, ...] = ()
-    scratch: tuple[tuple[str, int], ...] = ()
-
-    def sent(self, topo: Topology) -> int:
-        """Elements this rank sends to other islands."""
-        mine = topo.island_of(self.rank)
-        return sum(ref[2] for phase in self.phases for peer, ref in phase.sends
-                   if ref is not None and topo.island_of(peer) != mine)
-
-    def describe(self) -> list[str]:
-        lines = [f"rank {self.rank}: {self.op} round"]
-        for name, phase in zip(PHASES, self.phases):
-            if phase.sends or phase.recvs:
-                out = ", ".join(f"{_ref(ref)}->r{peer}" for peer, ref in phase.sends)
-                into = ", ".join(f"r{peer}->{n if n else 'rows'}" for peer, n in phase.recvs)
-                lines.append(f"  {name}: send [{out}] recv [{into}]")
-        return lines
-
-
-def _ref(ref: Optional[Ref]) -> str:
-    return "rows" if ref is None else f"{ref[0]}[{ref[1]}:{ref[1] + ref[2]}]"
 
 
 def slot(phase: str, peer: int) -> str:
@@ -87,7 +35,7 @@ def slot(phase: str, peer: int) -> str:
     return f"{phase}:{peer}"
 
 
-def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0) -> Round:
+def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0) -> Plan:
     """Rank ``rank``'s round of ``op`` over ``n`` elements (allgather/reducescatter: the whole
     island-major buffer); ``check`` moves rows only. Cached per call pattern."""
     if op not in OPS and op != "check":
@@ -96,12 +44,19 @@ def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0) -> Roun
 
 
 @functools.lru_cache(maxsize=512)
-def _build(topo: Topology, rank: int, op: str, n: int, root: int) -> Round:
+def _build(topo: Topology, rank: int, op: str, n: int, root: int) -> Plan:
     return getattr(_Builder(topo, rank, n, root), op)()
 
 
 def _whole(name: str, n: int) -> Ref:
     return (name, 0, n)
+
+
+def _phase(name: str, sends: list[tuple[int, Optional[Ref]]], recvs: list[tuple[int, int]],
+           lands: tuple[Land, ...] = ()) -> BorderStep:
+    """One phase's step: a send of None carries the rows only; a receive lands in its slot."""
+    return BorderStep(tuple(Move(peer, (0, 0)) if ref is None else Move(peer, ref[1:], ref[0]) for peer, ref in sends),
+                      tuple(Move(peer, (0, n), slot(name, peer)) for peer, n in recvs), rows=True, lands=lands)
 
 
 class _Builder:
@@ -120,18 +75,19 @@ class _Builder:
     def round(self, op: str, up: Optional[Ref], up_n: dict[int, int], across: dict[int, Optional[Ref]],
               across_n: dict[int, int], down: dict[int, Optional[Ref]], down_n: int,
               lands: tuple[tuple[Land, ...], tuple[Land, ...]] = ((), ()), finish: tuple[Land, ...] = (),
-              scratch: tuple[tuple[str, int], ...] = ()) -> Round:
+              scratch: tuple[tuple[str, int], ...] = ()) -> Plan:
         """The round's messages from what a member sends up (``up``) and gets down (``down_n``),
         and what a leader gets up (``up_n`` per member), swaps (``across``/``across_n`` per
         island index) and sends down (``down`` per member)."""
         if self.rank != self.leader:
-            phases = (Phase(((self.leader, up),)), Phase(), Phase(recvs=((self.leader, down_n),)))
-            return Round(op, self.rank, phases, finish, scratch)
-        phases = (Phase(recvs=tuple((m, up_n.get(m, 0)) for m in self.members), lands=lands[0]),
-                  Phase(tuple((self.leaders[j], across.get(j)) for j in self.others),
-                        tuple((self.leaders[j], across_n.get(j, 0)) for j in self.others), lands[1]),
-                  Phase(tuple((m, down.get(m)) for m in self.members)))
-        return Round(op, self.rank, phases, finish, scratch)
+            steps = (_phase("up", [(self.leader, up)], []), _phase("across", [], []),
+                     _phase("down", [], [(self.leader, down_n)]))
+        else:
+            steps = (_phase("up", [], [(m, up_n.get(m, 0)) for m in self.members], lands[0]),
+                     _phase("across", [(self.leaders[j], across.get(j)) for j in self.others],
+                            [(self.leaders[j], across_n.get(j, 0)) for j in self.others], lands[1]),
+                     _phase("down", [(m, down.get(m)) for m in self.members], []))
+        return Plan(op, self.rank, self.n, (Piece(across=steps),), finish=finish, scratch=scratch)
 
     def _ordered(self, own: Ref) -> tuple[Ref, ...]:
         """The islands' partials in island order, this island's being ``own``."""
@@ -147,10 +103,10 @@ class _Builder:
         """Into ``into``: the leader's ``held``, or (a member) what came down."""
         return Land(into, (held if self.rank == self.leader else (slot("down", self.leader), 0, into[2]),))
 
-    def check(self) -> Round:
+    def check(self) -> Plan:
         return self.round("check", None, {}, {}, {}, {}, 0)
 
-    def allreduce(self) -> Round:
+    def allreduce(self) -> Plan:
         """Members send up, leaders swap island partials, leaders send the total down."""
         n = self.n
         total = _whole("total", n)
@@ -160,7 +116,7 @@ class _Builder:
                           ((self._island_partial(n),), (Land(total, self._ordered(_whole("partial", n)), True),)),
                           (self._result(_whole("buf", n), total),), (("partial", n), ("total", n)))
 
-    def reduce(self) -> Round:
+    def reduce(self) -> Plan:
         """Like allreduce, but partials go only to the root island's leader, the total to root."""
         n = self.n
         home = self.me == self.home
@@ -174,7 +130,7 @@ class _Builder:
                            (Land(total, self._ordered(_whole("partial", n)), True),) if home else ()),
                           finish, (("partial", n), ("total", n)))
 
-    def broadcast(self) -> Round:
+    def broadcast(self) -> Plan:
         """Root to its leader, that leader to the others, each leader to its members."""
         n = self.n
         home = self.me == self.home
@@ -188,7 +144,7 @@ class _Builder:
                           dict.fromkeys(self.members, held), n,
                           (first, ()) if home else ((), (came,)), finish, (("total", n),))
 
-    def allgather(self) -> Round:
+    def allgather(self) -> Plan:
         """Chunks up, island regions across, the whole buffer down (``buf``: own chunk filled)."""
         n, c = self.n, self.chunk
         regions = self.topo.regions(c)
@@ -203,7 +159,7 @@ class _Builder:
                           {j: regions[j][1] for j in self.others}, dict.fromkeys(self.members, total), n,
                           (gathered, placed), (self._result(_whole("buf", n), total),), (("total", n),))
 
-    def reducescatter(self) -> Round:
+    def reducescatter(self) -> Plan:
         """Whole buffers up, each island's region of the partials to that island's leader, each
         member's chunk down into ``out``."""
         n, c = self.n, self.chunk

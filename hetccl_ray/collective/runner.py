@@ -16,15 +16,15 @@ import time
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from hetccl_ray import buffers
-from hetccl_ray.buffers import combine, view
+from hetccl_ray.buffers import combine, copy, view
 from hetccl_ray.collective.calls import all_host
 from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.collective.schedule import BorderStep, IslandStep, Plan, Span
+from hetccl_ray.collective.schedule import BUF, BorderStep, IslandStep, Land, Move, Plan, Span
 from hetccl_ray.devices import HOST, Device, StreamLike
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology
@@ -175,11 +175,45 @@ _ISLAND_CALLS: dict[str, Callable] = {
 }
 
 
-def execute(ctx: PlanContext, plan: Plan, buf: torch.Tensor, op: Optional[str] = None) -> torch.Tensor:
-    """Run ``plan`` over the flat ``buf`` (``op``: the reduce op of its folds and island
-    reductions; island steps on the flat library where the planner chose it); returns the
-    view that holds this rank's result."""
+class _Buffers:
+    """A plan's named buffers: the op's ``buf`` and ``out``, its scratch, a slot per message a
+    rows step receives."""
+
+    def __init__(self, ctx: PlanContext, plan: Plan, buf: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        self.ctx, self.like = ctx, buf
+        self.held = {BUF: buf, "out": out}
+        for name, n in plan.scratch:
+            self.held[name] = ctx.scratch.get(("plan", name), n, buf)
+
+    def of(self, name: str, span: Span) -> torch.Tensor:
+        return view(self.held[name], span)
+
+    def slot(self, move: Move) -> torch.Tensor:
+        """Where ``move`` lands: its slot, made now (empty: rows only)."""
+        n = move.span[1]
+        into = self.held[move.buf] = self.ctx.scratch.get(("plan", move.buf), n, self.like) if n else self.like[:0]
+        return into
+
+    def land(self, lands: Sequence[Land], op: Optional[str]) -> None:
+        held, launch = self.held, self.ctx.launch
+        for step in lands:
+            (name, offset, n), parts = step.out, step.parts
+            out = held[name][offset:offset + n]
+            for i, (part, at, length) in enumerate(parts if step.fold else parts[:1]):
+                if i:
+                    launch(combine, out, held[part][at:at + length], op)
+                else:
+                    launch(copy, out, held[part][at:at + length])
+
+
+def execute(ctx: PlanContext, plan: Plan, buf: torch.Tensor, op: Optional[str] = None,
+            out: Optional[torch.Tensor] = None, agreement: Optional[Agreement] = None) -> Optional[str]:
+    """Run ``plan`` over the flat ``buf`` (and ``out``; ``op``: the reduce op of its folds and
+    island reductions; island steps on the flat library where the planner chose it). Its rows
+    steps carry ``agreement``'s rows; then who disagrees is returned (None: every rank made
+    the call, and the finish is written)."""
     library = ctx.flat if ctx.flat is not None else ctx.island
+    held = _Buffers(ctx, plan, buf, out)
 
     def island(steps: Sequence[IslandStep]) -> None:
         for step in steps:
@@ -187,12 +221,56 @@ def execute(ctx: PlanContext, plan: Plan, buf: torch.Tensor, op: Optional[str] =
 
     def across(steps: Sequence[BorderStep]) -> None:
         for step in steps:
-            _border_step(ctx, step, buf, op)
+            if step.rows:
+                _rows_step(ctx, step, held, op, agreement)
+            else:
+                _border_step(ctx, step, buf, op)
+                held.land(step.lands, op)
 
     pieces = plan.pieces
     pipelined(ctx, len(pieces), lambda q: island(pieces[q].before), lambda q: across(pieces[q].across),
               lambda q: island(pieces[q].after))
-    return view(buf, plan.result) if plan.result is not None else buf
+    problem = agreement.verdict(ctx) if agreement is not None else None
+    if problem is None:
+        held.land(plan.finish, op)
+    return problem
+
+
+class Agreement(Protocol):
+    """What a plan's rows steps carry and learn (tree.py's): every rank's call row."""
+
+    tag: Tag  # the messages' tag (one whatever each rank called)
+    then: Optional[Callable[[int], None]]  # runs right after each message is posted
+
+    def moving(self, ctx: PlanContext) -> bool:
+        """Whether messages still carry data (not once a mismatch or an odd size was seen)."""
+
+    def packed(self) -> bytes:
+        """The rows known so far, as a message's control bytes."""
+
+    def arrived(self, handles: Sequence[Handle]) -> bool:
+        """Learn the rows ``handles`` brought; whether every message so far had its size."""
+
+    def verdict(self, ctx: PlanContext) -> Optional[str]:
+        """Who called what, once every row is known (None: every rank agreed)."""
+
+
+def _rows_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optional[str],
+               agreement: Agreement) -> None:
+    """A step of the small round: every message carries the rows over the TCP border, its
+    data only while the calls may still agree; receives are flexible; lands while sizes agree."""
+    moving = agreement.moving(ctx)
+    border, tag = ctx.direct, agreement.tag
+    receives = [border.irecv(m.peer, held.slot(m), tag, flexible=True) for m in step.recvs]
+    sends, extra = [], agreement.packed()
+    for m in step.sends:
+        sends.append(border.isend(m.peer, held.of(m.buf, m.span) if moving else held.like[:0], tag, extra=extra))
+        if agreement.then is not None:
+            agreement.then(m.peer)
+    for handle in sends + receives:
+        ctx.wait(handle)
+    if agreement.arrived(receives):
+        held.land(step.lands, op)
 
 
 def _border_step(ctx: PlanContext, step: BorderStep, buf: torch.Tensor, op: Optional[str]) -> None:

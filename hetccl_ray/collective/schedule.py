@@ -5,7 +5,9 @@ the op's flat buffer), border steps (moves of spans to and from peers, landing a
 or folded into the span with the reduce op), then island steps again. One runner
 (``runner.execute``) runs every plan, overlapping piece q's border steps with the island
 steps of pieces q+1 and q-1 (after FlagCX's cluster-to-cluster planner: pre-homo, hetero,
-post-homo steps, built once and cached per call pattern).
+post-homo steps, built once and cached per call pattern). The small round (rounds.py) is a
+plan of one piece of three border steps whose messages carry the call rows (``rows``), over
+named scratch buffers, with landings after each step and a ``finish`` made once the rows agree.
 
 Builders are pure (no torch, no Ray): ``build(topo, rank, op, n, root, pieces)`` for every
 rank, so a plan can be printed and its border bytes checked without a cluster
@@ -24,7 +26,9 @@ from typing import Optional
 
 from hetccl_ray.topology import Topology, split
 
-Span = tuple[int, int]  # (offset, length) in elements of the op's buffer
+Span = tuple[int, int]  # (offset, length) in elements of a buffer: the op's ``buf`` unless named
+Ref = tuple[str, int, int]  # (buffer name, offset, length): a span of a named buffer
+BUF = "buf"
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")
 ROOTED = ("broadcast", "reduce")
 
@@ -47,26 +51,45 @@ class IslandStep:
 
 @dataclass(frozen=True)
 class Move:
-    """A span of the buffer sent to or received from ``peer``."""
+    """A span of buffer ``buf`` sent to or received from ``peer``."""
 
     peer: int
     span: Span
+    buf: str = BUF
+
+    def describe(self) -> str:
+        return f"{'' if self.buf == BUF else self.buf}{_span(self.span)}"
+
+
+@dataclass(frozen=True)
+class Land:
+    """``out`` = ``parts`` folded with the reduce op in the order given (``fold``), or a copy
+    of ``parts[0]``."""
+
+    out: Ref
+    parts: tuple[Ref, ...]
+    fold: bool = False
 
 
 @dataclass(frozen=True)
 class BorderStep:
-    """Post every receive and send, then wait for all. ``fold``: received spans are reduced
-    into place with the op (the first per span as it lands, the rest in the order given),
-    else copied."""
+    """Post every receive and send, then wait for all, then ``lands``. ``fold``: received
+    spans are reduced into place with the op (the first per span as it lands, the rest in
+    the order given), else copied. ``rows``: a step of the small round: over the TCP border
+    to every rank, every message carries the call rows known so far (an empty span: rows
+    only), receives take whatever a peer sent (one that called something else is named,
+    never waited for), and ``lands`` are made only while every message had its size."""
 
     sends: tuple[Move, ...]
     recvs: tuple[Move, ...]
     fold: bool = False
+    rows: bool = False
+    lands: tuple[Land, ...] = ()
 
     def describe(self) -> str:
-        out = ", ".join(f"{_span(m.span)}->r{m.peer}" for m in self.sends)
-        into = ", ".join(f"r{m.peer}->{_span(m.span)}" for m in self.recvs)
-        return f"border send [{out}] recv{' fold' if self.fold else ''} [{into}]"
+        out = ", ".join(f"{m.describe()}->r{m.peer}" for m in self.sends)
+        into = ", ".join(f"r{m.peer}->{m.describe()}" for m in self.recvs)
+        return f"border{' rows' if self.rows else ''} send [{out}] recv{' fold' if self.fold else ''} [{into}]"
 
 
 @dataclass(frozen=True)
@@ -81,13 +104,17 @@ class Piece:
 @dataclass(frozen=True)
 class Plan:
     """One rank's steps of one op over a buffer of ``n`` elements; ``result`` is the span that
-    holds this rank's result where it is not the whole buffer (reducescatter)."""
+    holds this rank's result where it is not the whole buffer (reducescatter). ``finish``:
+    landings after every piece (the small round's only writes into ``buf`` and ``out``, made
+    once the rows agree); ``scratch``: elements of each named scratch buffer."""
 
     op: str
     rank: int
     n: int
     pieces: tuple[Piece, ...]
     result: Optional[Span] = None
+    finish: tuple[Land, ...] = ()
+    scratch: tuple[tuple[str, int], ...] = ()
 
     def sent(self, topo: Topology, *, across: bool = True) -> dict[int, int]:
         """Elements this rank sends each peer (only peers on other islands when ``across``)."""
@@ -96,15 +123,17 @@ class Plan:
         for piece in self.pieces:
             for step in piece.across:
                 for move in step.sends:
-                    if not across or topo.island_of(move.peer) != mine:
+                    if move.span[1] and (not across or topo.island_of(move.peer) != mine):
                         out[move.peer] = out.get(move.peer, 0) + move.span[1]
         return out
 
     def describe(self) -> list[str]:
-        lines = [f"rank {self.rank}: {self.op} of {self.n} elements, {len(self.pieces)} piece(s)"]
+        kind = "small round" if any(step.rows for piece in self.pieces for step in piece.across) else "plan"
+        lines = [f"rank {self.rank}: {self.op} {kind} of {self.n} elements, {len(self.pieces)} piece(s)"]
         for q, piece in enumerate(self.pieces):
             for stage, steps in (("before", piece.before), ("across", piece.across), ("after", piece.after)):
-                lines += [f"  piece {q} {stage}: {step.describe()}" for step in steps]
+                lines += [f"  piece {q} {stage}: {step.describe()}" for step in steps
+                          if not isinstance(step, BorderStep) or step.sends or step.recvs]
         return lines
 
 

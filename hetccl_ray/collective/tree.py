@@ -1,6 +1,7 @@
 """The small-message round, run: three hops up to the island leaders, across, back down.
 
-Each op's round is data (rounds.py); :func:`run` runs any of them. Every message also
+Each op's round is a plan (rounds.py) run by the one runner (``runner.execute``), with an
+``Agreement``: the rows its messages carry and the verdict. Every message also
 carries the callers' call rows (op, seq, dtype, count, root, reduce op, device class) as
 control bytes, so when the round ends every rank knows what every rank called: the call
 check costs no round of its own, and a mismatch is found on every rank before any user
@@ -12,18 +13,19 @@ result. Plans import no Ray.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from hetccl_ray.collective import rounds, routes
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement, on_host
-from hetccl_ray.buffers import combine, copy
+from hetccl_ray.collective.runner import execute
 from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
 
 Rows = dict[int, list[int]]
+_NO_DATA = torch.empty(0, dtype=torch.uint8)  # the op buffer of a rows-only round
 
 
 def _pack(rows: Rows) -> bytes:
@@ -44,61 +46,38 @@ def _unpack(raw: bytes) -> Rows:
 def linked(topo, rank: int) -> list[int]:
     """The peers ``rank`` sends a message of the round to: its leader, or a leader's members
     and the other leaders."""
-    return [peer for phase in rounds.build(topo, rank, "check").phases for peer, _ in phase.sends]
+    return [m.peer for step in rounds.build(topo, rank, "check").pieces[0].across for m in step.sends]
 
 
-def run(ctx, call: Call, plan: rounds.Round, buffers: dict[str, torch.Tensor], op: str = "",
-        rows: Optional[Rows] = None, then: Optional[Callable[[int], None]] = None) -> Optional[str]:
-    """Run this rank's round ``plan`` over ``buffers`` (``buf``, ``out``; ``op``: the reduce op
-    of its folds). None when every rank made ``call`` (then the finish has written the
-    results), else who called what (no user buffer touched; what peers sent ahead drained).
-    ``rows``: this rank's row with extra ints after the call's, filled with every rank's as
-    they arrive. ``then(peer)`` runs right after this rank's message to each peer is posted
-    (what follows it on that link)."""
-    like = buffers.get("buf", torch.empty(0, dtype=torch.uint8))
-    border, tag = ctx.direct, Tag(OP_CODES["check"], call.seq, 0)  # one tag whatever each rank called
-    rows = rows if rows is not None else {ctx.rank: call.encode()}
-    held = dict(buffers)
-    for name, n in plan.scratch:
-        held[name] = ctx.scratch.get(("round", name), n, like)
-    spilled, decided, problem = False, False, None
+class Agreement:
+    """What the round's messages carry and learn (runner.Agreement): every rank's call row
+    (this rank's with extra ints after the call's, filled with every rank's as they arrive),
+    whether a message had another size than the call implies, and the verdict."""
 
-    def ref(at: rounds.Ref) -> torch.Tensor:
-        name, offset, n = at
-        return held[name][offset:offset + n]
+    def __init__(self, ctx, call: Call, rows: Optional[Rows] = None,
+                 then: Optional[Callable[[int], None]] = None) -> None:
+        self.tag = Tag(OP_CODES["check"], call.seq, 0)  # one tag whatever each rank called
+        self.rows = rows if rows is not None else {ctx.rank: call.encode()}
+        self.then, self.spilled, self.decided, self.problem = then, False, False, None
 
-    def land(lands: Sequence[rounds.Land]) -> None:
-        for step in lands:
-            out, parts = ref(step.out), [ref(part) for part in step.parts]
-            copy(out, parts[0])
-            for part in parts[1:] if step.fold else ():
-                combine(out, part, op)
+    def moving(self, ctx) -> bool:
+        if len(self.rows) == ctx.topo.world_size and not self.decided:
+            self.problem, self.decided = _verdict(ctx, self.rows, self.spilled), True
+        return not self.spilled and self.problem is None
 
-    for name, phase in zip(rounds.PHASES, plan.phases):
-        if len(rows) == ctx.topo.world_size and not decided:
-            problem, decided = _verdict(ctx, rows, spilled), True
-        moving = not spilled and problem is None
-        receives = []
-        for peer, n in phase.recvs:
-            into = held[rounds.slot(name, peer)] = ctx.scratch.get(("round", name, peer), n, like) if n else like[:0]
-            receives.append(border.irecv(peer, into, tag, flexible=True))
-        sends, extra = [], _pack(rows)  # the rows known so far, packed once for the phase's messages
-        for peer, at in phase.sends:
-            sends.append(border.isend(peer, ref(at) if at is not None and moving else like[:0], tag, extra=extra))
-            if then is not None:
-                then(peer)
-        for handle in sends + receives:
-            ctx.wait(handle)
-        for handle in receives:
-            rows.update(_unpack(handle.extra))
-            spilled |= handle.spill is not None
-        if not spilled:
-            land(phase.lands)
-    if not decided:
-        problem = _verdict(ctx, rows, spilled)
-    if problem is None:
-        land(plan.finish)
-    return problem
+    def packed(self) -> bytes:
+        return _pack(self.rows)
+
+    def arrived(self, handles) -> bool:
+        for handle in handles:
+            self.rows.update(_unpack(handle.extra))
+            self.spilled |= handle.spill is not None
+        return not self.spilled
+
+    def verdict(self, ctx) -> Optional[str]:
+        if not self.decided:
+            self.problem, self.decided = _verdict(ctx, self.rows, self.spilled), True
+        return self.problem
 
 
 def _verdict(ctx, rows: Rows, spilled: bool = False) -> Optional[str]:
@@ -143,17 +122,22 @@ def drain(ctx, rows: Rows) -> None:
 
 
 def small(ctx, call: Call, buf: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[str]:
-    """``call``'s op as the round over ``buf`` (and reducescatter's ``out``): see :func:`run`."""
+    """``call``'s op as its round over ``buf`` (and reducescatter's ``out``). None when every
+    rank made ``call`` (then the results are written), else who called what (no user buffer
+    touched; what peers sent ahead drained)."""
     plan = rounds.build(ctx.topo, ctx.rank, call.op, buf.numel(), call.root)
-    return run(ctx, call, plan, {"buf": buf} if out is None else {"buf": buf, "out": out}, call.reduce)
+    return execute(ctx, plan, buf, call.reduce, out, Agreement(ctx, call))
 
 
 def check(ctx, call: Call, rows: Optional[Rows] = None, then: Optional[Callable[[int], None]] = None) -> Optional[str]:
     """The round with no data: every rank learns every call (and it is a barrier). On one
-    host it is a step of the shared-memory library. ``rows``, ``then``: as :func:`run`'s."""
+    host it is a step of the shared-memory library. ``rows``: this rank's row with extra ints
+    after the call's, filled with every rank's; ``then(peer)`` runs right after this rank's
+    message to each peer is posted (what follows it on that link)."""
     rows = rows if rows is not None else {ctx.rank: call.encode()}
     if ctx.shared is None:
-        return run(ctx, call, rounds.build(ctx.topo, ctx.rank, "check"), {}, rows=rows, then=then)
+        plan = rounds.build(ctx.topo, ctx.rank, "check")
+        return execute(ctx, plan, _NO_DATA, agreement=Agreement(ctx, call, rows, then))
     rows.update(ctx.shared.rows(rows[ctx.rank]))
     return _verdict(ctx, rows)
 
@@ -163,7 +147,7 @@ def alltoall_counts(ctx, call: Call, mine: list[int],
     """The all-to-all's check: the rows-only round with every rank's block sizes after its call
     row (``mine``: what it sends each rank, then what it expects from each), so they cost no
     payload. Returns who disagrees (calls, or pairs whose sizes differ) and ``counts[r][t]``;
-    ``then``: as :func:`run`'s."""
+    ``then``: as :func:`check`'s."""
     world = ctx.topo.world_size
     rows = {ctx.rank: call.encode() + list(mine)}
     problem = check(ctx, call, rows, then)
