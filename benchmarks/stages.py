@@ -41,7 +41,7 @@ def staged(op: str, n: int, iters: int, rank: int, world: int) -> dict:
         saved.append((owner, name, f))
 
     wrap(G.HetCCLGroup, "_run", "hetccl _run")
-    wrap(tree, "run", "  round of tree.py (small op or rows check)")
+    wrap(tree, "small", "  small round of tree.py")
     wrap(tree, "check", "  rows-only check round")
     wrap(plans.PlanContext, "exchange", "  island plans: border stages")
     for m in ("reduce_scatter", "allgather", "broadcast", "reduce", "gather"):
