@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hetccl_ray.collective import plans, routes, shm
+from hetccl_ray.collective import plans, routes, runner, shm
 from hetccl_ray.buffers import combine
 from hetccl_ray.topology import Topology
 from hetccl_ray.transport.routed import RoutedBorder
@@ -203,7 +203,7 @@ def _alltoall_counts(world: int, seed: int, zeros: bool) -> np.ndarray:
 @pytest.mark.parametrize("max_lanes", [None, 1])
 @pytest.mark.parametrize("pack_bytes", [0, 1 << 18])  # one message per block, or a peer's blocks packed
 def test_alltoall_uneven(layout, zeros, piece_bytes, max_lanes, pack_bytes, monkeypatch):
-    monkeypatch.setattr(plans, "_PACK_BYTES", pack_bytes)
+    monkeypatch.setattr(runner, "_PACK_BYTES", pack_bytes)
     islands = LAYOUTS[layout]
     world = len(islands)
     topo = Topology.from_islands(islands, max_lanes)

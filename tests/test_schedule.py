@@ -3,7 +3,7 @@ and the steps of every rank pair up (what one rank sends a peer, that peer recei
 
 import pytest
 
-from hetccl_ray.collective import rounds, schedule
+from hetccl_ray.collective import rounds, routes, schedule
 from hetccl_ray.topology import Topology
 
 LAYOUTS = {
@@ -49,6 +49,32 @@ def test_moves_pair_up(layout, op):
                 for m in step.recvs:
                     received.setdefault((m.peer, p.rank), []).append(m.span[1])
         assert sent == received
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("by_island", [False, True])
+def test_alltoall_plan_bytes_and_pairs(layout, pieces, by_island):
+    """The all-to-all's plans (routes.plan): border bytes equal the bound; per piece and stage
+    every rank's sends to a peer are that peer's receives; every block is moved whole."""
+    topo = Topology.from_islands(LAYOUTS[layout])
+    world = topo.world_size
+    counts = tuple(tuple((3 * r + 5 * t) % 7 for t in range(world)) for r in range(world))
+    plans = [routes.plan(topo, r, counts, pieces, by_island) for r in range(world)]
+    assert sum(sum(p.sent(topo).values()) for p in plans) * 4 == routes.across_bytes(topo, counts, 4)
+    for q in range(pieces):
+        for stage in ("before", "across", "after"):
+            steps = [(p.rank, getattr(p.pieces[q], stage)[0]) for p in plans]
+            assert all(step.island == (by_island and stage != "across") for _, step in steps)
+            sent = sorted((r, m.peer, m.span[1]) for r, step in steps for m in step.sends)
+            assert sent == sorted((m.peer, r, m.span[1]) for r, step in steps for m in step.recvs)
+    for r, p in enumerate(plans):
+        into: dict[str, int] = {}
+        for piece in p.pieces:
+            for step in (*piece.before, *piece.across, *piece.after):
+                for m in step.recvs:
+                    into[m.buf] = into.get(m.buf, 0) + m.span[1]
+        assert all(into.get(f"out:{s}", 0) == counts[s][r] for s in range(world) if s != r), r
 
 
 def test_cached_and_printable():

@@ -30,8 +30,9 @@ from hetccl_ray.collective import routes, schedule, tree
 from hetccl_ray.buffers import copy, view
 from hetccl_ray.collective.calls import on_host
 from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.collective.runner import PlanContext, execute, pipelined
-from hetccl_ray.transport.base import Border, Handle, mismatch
+from hetccl_ray.collective.runner import PlanContext, execute
+from hetccl_ray.collective.schedule import BUF
+from hetccl_ray.transport.base import Handle, mismatch
 
 
 class LazyIsland:
@@ -61,29 +62,29 @@ def plan_for(ctx: PlanContext, op: str, buf: torch.Tensor, root: int = 0) -> sch
 
 def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
     """Reduce-scatter to lane owners, allreduce across islands per lane, allgather back."""
-    execute(ctx, plan_for(ctx, "allreduce", buf), buf, op)
+    execute(ctx, plan_for(ctx, "allreduce", buf), {BUF: buf}, op)
 
 
 def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
     """Reduce the island-major ``buf`` of one chunk per rank; returns this rank's reduced chunk."""
     plan = plan_for(ctx, "reducescatter", buf)
-    execute(ctx, plan, buf, op)
+    execute(ctx, plan, {BUF: buf}, op)
     return view(buf, plan.result)
 
 
 def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
     """Gather the island-major ``buf`` whose own chunk is filled in, on every rank."""
-    execute(ctx, plan_for(ctx, "allgather", buf), buf)
+    execute(ctx, plan_for(ctx, "allgather", buf), {BUF: buf})
 
 
 def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
     """Root's island broadcasts inside, its lane owners send across, the others allgather."""
-    execute(ctx, plan_for(ctx, "broadcast", buf, root), buf)
+    execute(ctx, plan_for(ctx, "broadcast", buf, root), {BUF: buf})
 
 
 def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
     """Reduce-scatter in each island, partials to the root's island, gathered at root."""
-    execute(ctx, plan_for(ctx, "reduce", buf, root), buf, op)
+    execute(ctx, plan_for(ctx, "reduce", buf, root), {BUF: buf}, op)
 
 
 class SentAhead:
@@ -145,101 +146,14 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
 
 def _routed(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
             outputs: Sequence[torch.Tensor]) -> None:
-    """The blocks of ``counts`` along routes.py's routes. Moves inside an island take the
-    border's socket for CPU tensors, one vendor all-to-all per stage for device tensors."""
-    me, topo = ctx.rank, ctx.topo
-    direct = ctx.direct is not None and ctx.device.host  # island moves: sockets, or the vendor's all-to-all
-    way = routes.route(topo, me)
-    offsets, total = routes.staging(way.transit(), counts)
-    like = inputs[me]
-    staged = ctx.scratch.get("alltoall", total, like)
-    count = ctx.pieces(routes.largest_crossing(topo, counts) * like.element_size())
-
-    def holder(block: routes.Block) -> torch.Tensor:
-        r, t = block
-        if r == me:
-            return inputs[t]
-        return outputs[r] if t == me else view(staged, (offsets[block], counts[r][t]))
-
-    def pieces(moves: Sequence[routes.Move], q: int, sending: bool) -> list[tuple[int, torch.Tensor]]:
-        return [(m.dst if sending else m.src,
-                 view(holder(m.block), schedule.piece_of((0, counts[m.block[0]][m.block[1]]), q, count)))
-                for m in moves]
-
-    def inside(stage: int, q: int) -> None:
-        sends, recvs = pieces(way.sends[stage], q, True), pieces(way.recvs[stage], q, False)
-        if direct:
-            _exchange_blocks(ctx, stage, sends, recvs, ctx.direct)
-        elif ctx.my_island.size > 1:
-            ctx.launch(_island_alltoall, ctx, sends, recvs, like)
-
-    pipelined(ctx, count, lambda q: inside(routes.GATHER, q),
-               lambda q: _exchange_blocks(ctx, routes.ACROSS, pieces(way.sends[routes.ACROSS], q, True),
-                                          pieces(way.recvs[routes.ACROSS], q, False)),
-               lambda q: inside(routes.SCATTER, q))
-
-
-_PACK_BYTES = 256 << 10  # below this a peer's blocks go as one message: a message costs more than a copy
-
-
-def _per_peer(pairs: Sequence[tuple[int, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-    grouped: dict[int, list[torch.Tensor]] = {}
-    for peer, part in pairs:
-        grouped.setdefault(peer, []).append(part)
-    return grouped
-
-
-def _unpack(packed: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive ranges of ``packed`` into ``parts``, in order."""
-    offset = 0
-    for part in parts:
-        copy(part, packed[offset:offset + part.numel()])
-        offset += part.numel()
-
-
-def _exchange_blocks(ctx: PlanContext, stage: int, sends: Sequence[tuple[int, torch.Tensor]],
-                     recvs: Sequence[tuple[int, torch.Tensor]], border: Optional[Border] = None) -> None:
-    """Exchange block views, one message per block, except that a peer's several blocks of at
-    most ``_PACK_BYTES`` in all travel packed in one (both ends see the same blocks, so
-    both decide alike)."""
-    ctx.host_wait()
-
-    def packs(views: list[torch.Tensor]) -> bool:
-        return len(views) > 1 and sum(v.numel() for v in views) * views[0].element_size() <= _PACK_BYTES
-
-    out, into, unpack = [], [], []
-    for peer, views in _per_peer(sends).items():
-        out += [(peer, torch.cat(views))] if packs(views) else [(peer, part) for part in views]
-    for peer, views in _per_peer(recvs).items():
-        if packs(views):
-            buf = ctx.scratch.get(("packed", stage, peer), sum(v.numel() for v in views), views[0])
-            into.append((peer, buf))
-            unpack.append((buf, views))
-        else:
-            into += [(peer, part) for part in views]
-    ctx.exchange(out, into, border=border)
-    for buf, views in unpack:
-        _unpack(buf, views)
-
-
-def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]],
-                     recvs: Sequence[tuple[int, torch.Tensor]], like: torch.Tensor) -> None:
-    """One stage's moves inside the island as one vendor all-to-all (every island rank calls
-    it): each peer's views packed in posting order, unpacked likewise on arrival. Device work:
-    runs as one launch on the op's stream."""
-    def by_peer(pairs: Sequence[tuple[int, torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
-        ordered = sorted(pairs, key=lambda pair: ctx.topo.local_rank(pair[0]))  # stable: keeps posting order
-        counts = [0] * ctx.my_island.size
-        for peer, part in ordered:
-            counts[ctx.topo.local_rank(peer)] += part.numel()
-        return [part for _, part in ordered], counts
-
-    send_views, send_counts = by_peer(sends)
-    recv_views, recv_counts = by_peer(recvs)
-    packed = torch.cat(send_views) if send_views else like[:0]
-    arrived = ctx.scratch.get("alltoall-island", sum(recv_counts), like)
-    ctx.vendor.alltoall(arrived, packed, recv_counts, send_counts)
-    _unpack(arrived, recv_views)
+    """The blocks of ``counts`` along routes.py's routes, as its plan. Moves inside an island
+    take the border's socket for CPU tensors, one vendor all-to-all per stage for device ones."""
+    me, world = ctx.rank, ctx.topo.world_size
+    by_island = ctx.direct is None or not ctx.device.host
+    count = ctx.pieces(routes.largest_crossing(ctx.topo, counts) * inputs[me].element_size())
+    plan = routes.plan(ctx.topo, me, tuple(map(tuple, counts)), count, by_island)
+    execute(ctx, plan, {**{f"in:{t}": inputs[t] for t in [me, *range(world)]},  # its own block first: scratch like it
+                        **{f"out:{r}": outputs[r] for r in range(world)}})
 
 
 def _by_island(ctx: PlanContext, peer: int) -> bool:

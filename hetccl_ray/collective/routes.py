@@ -6,7 +6,9 @@ lane ``local(t) % lanes``: stage 1 gathers blocks inside the source island by de
 island and lane, stage 2 crosses the border once per (source island, destination island,
 lane), stage 3 scatters inside the destination island. A hop from a rank to itself is
 dropped, so a destination that owns its lane gets stage 2 straight into its output.
-Every cross-island byte crosses exactly once: the bound. Pure: no Ray, no torch.
+Every cross-island byte crosses exactly once: the bound. ``plan`` makes a rank's moves a
+``schedule.Plan`` of the one runner: each block cut into pieces, stage 2 the border steps.
+Pure: no Ray, no torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+from hetccl_ray.collective import schedule
 from hetccl_ray.topology import Topology
 
 Block = tuple[int, int]
@@ -82,6 +85,39 @@ def staging(blocks: Sequence[Block], counts: Sequence[Sequence[int]]) -> tuple[d
         offsets[r, t] = total
         total += counts[r][t]
     return offsets, total
+
+
+Counts = tuple[tuple[int, ...], ...]  # counts[r][t]: elements rank r sends rank t
+
+
+@functools.lru_cache(maxsize=256)
+def plan(topo: Topology, rank: int, counts: Counts, pieces: int, by_island: bool) -> schedule.Plan:
+    """Rank ``rank``'s all-to-all along the routes, every block in ``pieces`` pieces. Named
+    buffers: ``in:<t>`` (the block for rank t), ``out:<r>`` (the block from rank r), scratch
+    ``staged`` (blocks in transit). Stages 1 and 3 move blocks between island ranks: as one
+    vendor all-to-all each where ``by_island`` (device buffers), else over the border."""
+    way = route(topo, rank)
+    offsets, total = staging(way.transit(), counts)
+
+    def holder(block: Block) -> tuple[str, int]:
+        r, t = block
+        if r == rank:
+            return f"in:{t}", 0
+        return (f"out:{r}", 0) if t == rank else ("staged", offsets[block])
+
+    def step(stage: int, q: int) -> schedule.BorderStep:
+        def moved(hops: Sequence[Move], sending: bool) -> tuple[schedule.Move, ...]:
+            out = []
+            for m in hops:
+                (name, base), (r, t) = holder(m.block), m.block
+                offset, length = schedule.piece_of((0, counts[r][t]), q, pieces)
+                out.append(schedule.Move(m.dst if sending else m.src, (base + offset, length), name))
+            return tuple(out)
+        return schedule.BorderStep(moved(way.sends[stage], True), moved(way.recvs[stage], False),
+                                   island=by_island and stage != ACROSS)
+
+    steps = [schedule.Piece((step(GATHER, q),), (step(ACROSS, q),), (step(SCATTER, q),)) for q in range(pieces)]
+    return schedule.Plan("alltoall", rank, sum(counts[rank]), tuple(steps), scratch=(("staged", total),))
 
 
 def across_bytes(topo: Topology, counts: Sequence[Sequence[int]], itemsize: int) -> int:

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from hetccl_ray import buffers
 from hetccl_ray.buffers import combine, copy, view
 from hetccl_ray.collective.calls import all_host
 from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.collective.schedule import BUF, BorderStep, IslandStep, Land, Move, Plan, Span
+from hetccl_ray.collective.schedule import BUF, BorderStep, IslandStep, Land, Move, Plan, Span, Step
 from hetccl_ray.devices import HOST, Device, StreamLike
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology
@@ -176,17 +176,21 @@ _ISLAND_CALLS: dict[str, Callable] = {
 
 
 class _Buffers:
-    """A plan's named buffers: the op's ``buf`` and ``out``, its scratch, a slot per message a
-    rows step receives."""
+    """A plan's named buffers: the op's (``buf``, ``out``; an all-to-all's blocks), its scratch,
+    a slot per message a rows step receives."""
 
-    def __init__(self, ctx: PlanContext, plan: Plan, buf: torch.Tensor, out: Optional[torch.Tensor]) -> None:
-        self.ctx, self.like = ctx, buf
-        self.held = {BUF: buf, "out": out}
+    def __init__(self, ctx: PlanContext, plan: Plan, buffers: Mapping[str, torch.Tensor]) -> None:
+        self.ctx, self.like = ctx, next(iter(buffers.values()))
+        self.held = dict(buffers)
         for name, n in plan.scratch:
-            self.held[name] = ctx.scratch.get(("plan", name), n, buf)
+            self.held[name] = ctx.scratch.get(("plan", name), n, self.like)
 
     def of(self, name: str, span: Span) -> torch.Tensor:
         return view(self.held[name], span)
+
+    def moved(self, moves: Sequence[Move]) -> list[tuple[int, torch.Tensor]]:
+        """Each move's peer and view."""
+        return [(move.peer, self.of(move.buf, move.span)) for move in moves]
 
     def slot(self, move: Move) -> torch.Tensor:
         """Where ``move`` lands: its slot, made now (empty: rows only)."""
@@ -206,30 +210,31 @@ class _Buffers:
                     launch(copy, out, held[part][at:at + length])
 
 
-def execute(ctx: PlanContext, plan: Plan, buf: torch.Tensor, op: Optional[str] = None,
-            out: Optional[torch.Tensor] = None, agreement: Optional[Agreement] = None) -> Optional[str]:
-    """Run ``plan`` over the flat ``buf`` (and ``out``; ``op``: the reduce op of its folds and
-    island reductions; island steps on the flat library where the planner chose it). Its rows
-    steps carry ``agreement``'s rows; then who disagrees is returned (None: every rank made
-    the call, and the finish is written)."""
+def execute(ctx: PlanContext, plan: Plan, buffers: Mapping[str, torch.Tensor], op: Optional[str] = None,
+            agreement: Optional[Agreement] = None) -> Optional[str]:
+    """Run ``plan`` over its named ``buffers`` (the first the op's own: scratch takes its dtype
+    and device; ``op``: the reduce op of folds and island reductions; island steps on the flat
+    library where the planner chose it). Its rows steps carry ``agreement``'s rows; then who
+    disagrees is returned (None: every rank made the call, and the finish is written)."""
     library = ctx.flat if ctx.flat is not None else ctx.island
-    held = _Buffers(ctx, plan, buf, out)
+    held = _Buffers(ctx, plan, buffers)
 
-    def island(steps: Sequence[IslandStep]) -> None:
+    def stage(steps: Sequence[Step], where: str) -> None:
         for step in steps:
-            _ISLAND_CALLS[step.op](library, view(buf, step.span), step, op)
-
-    def across(steps: Sequence[BorderStep]) -> None:
-        for step in steps:
-            if step.rows:
+            if isinstance(step, IslandStep):
+                _ISLAND_CALLS[step.op](library, held.of(BUF, step.span), step, op)
+            elif step.rows:
                 _rows_step(ctx, step, held, op, agreement)
+            elif step.island:
+                if ctx.my_island.size > 1:
+                    ctx.launch(_island_alltoall, ctx, held.moved(step.sends), held.moved(step.recvs), held.like)
             else:
-                _border_step(ctx, step, buf, op)
+                _border_step(ctx, step, held, op, where)
                 held.land(step.lands, op)
 
     pieces = plan.pieces
-    pipelined(ctx, len(pieces), lambda q: island(pieces[q].before), lambda q: across(pieces[q].across),
-              lambda q: island(pieces[q].after))
+    pipelined(ctx, len(pieces), lambda q: stage(pieces[q].before, "inside"),
+              lambda q: stage(pieces[q].across, "across"), lambda q: stage(pieces[q].after, "inside"))
     problem = agreement.verdict(ctx) if agreement is not None else None
     if problem is None:
         held.land(plan.finish, op)
@@ -273,23 +278,81 @@ def _rows_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optional[
         held.land(step.lands, op)
 
 
-def _border_step(ctx: PlanContext, step: BorderStep, buf: torch.Tensor, op: Optional[str]) -> None:
-    """One border step: copies land in place; of the folds into one span, the first reduces as
-    it lands and the rest land in scratch and are folded in after, in the step's order."""
+_PACK_BYTES = 256 << 10  # below this a peer's moves in a step go as one message: a message costs more than a copy
+
+
+def _packs(views: Sequence[torch.Tensor]) -> bool:
+    return len(views) > 1 and sum(v.numel() for v in views) * views[0].element_size() <= _PACK_BYTES
+
+
+def _per_peer(moves: Sequence[Move], held: _Buffers) -> dict[int, list[torch.Tensor]]:
+    """The views of ``moves`` by peer, in order."""
+    grouped: dict[int, list[torch.Tensor]] = {}
+    for move in moves:
+        grouped.setdefault(move.peer, []).append(held.of(move.buf, move.span))
+    return grouped
+
+
+def _unpack(packed: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive ranges of ``packed`` into ``parts``, in order."""
+    offset = 0
+    for part in parts:
+        copy(part, packed[offset:offset + part.numel()])
+        offset += part.numel()
+
+
+def _border_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optional[str], where: str) -> None:
+    """One border step. Copies land in place, a peer's several small ones packed in one message
+    each way (both ends see the same moves, so both decide alike). Of the folds into one span,
+    the first reduces as it lands and the rest land in scratch and are folded in after, in the
+    step's order. ``where``: the stage, whose scratch is its own (stages overlap)."""
+    ctx.host_wait()  # the producing work is done before packing reads it
     recvs: list[Recv] = []
-    folding: set[Span] = set()
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for move in step.recvs:
-        target = view(buf, move.span)
-        if not step.fold:
-            recvs.append((move.peer, target))
-        elif move.span not in folding:
-            folding.add(move.span)
-            recvs.append((move.peer, target, op))
+    unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    if step.fold:
+        folding: set[tuple[str, Span]] = set()
+        for move in step.recvs:
+            target = held.of(move.buf, move.span)
+            if (move.buf, move.span) not in folding:
+                folding.add((move.buf, move.span))
+                recvs.append((move.peer, target, op))
+            else:
+                partial = ctx.scratch.get(("fold", len(staged)), move.span[1], held.like)
+                staged.append((target, partial))
+                recvs.append((move.peer, partial))
+    for peer, views in _per_peer(step.recvs, held).items() if not step.fold else ():
+        if _packs(views):
+            into = ctx.scratch.get(("packed", where, peer), sum(v.numel() for v in views), views[0])
+            recvs.append((peer, into))
+            unpack.append((into, views))
         else:
-            partial = ctx.scratch.get(("fold", len(staged)), move.span[1], buf)
-            staged.append((target, partial))
-            recvs.append((move.peer, partial))
-    ctx.exchange([(move.peer, view(buf, move.span)) for move in step.sends], recvs)
+            recvs += [(peer, view) for view in views]
+    sends: list[tuple[int, torch.Tensor]] = []
+    for peer, views in _per_peer(step.sends, held).items():
+        sends += [(peer, torch.cat(views))] if _packs(views) else [(peer, part) for part in views]
+    ctx.exchange(sends, recvs)
     for target, partial in staged:
         ctx.launch(combine, target, partial, op)
+    for packed, views in unpack:
+        _unpack(packed, views)
+
+
+def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]],
+                     recvs: Sequence[tuple[int, torch.Tensor]], like: torch.Tensor) -> None:
+    """A step's moves inside the island as one vendor all-to-all (every island rank calls it):
+    each peer's views packed in posting order, unpacked likewise on arrival. Device work:
+    runs as one launch on the op's stream."""
+    def by_peer(pairs: Sequence[tuple[int, torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+        ordered = sorted(pairs, key=lambda pair: ctx.topo.local_rank(pair[0]))  # stable: keeps posting order
+        counts = [0] * ctx.my_island.size
+        for peer, part in ordered:
+            counts[ctx.topo.local_rank(peer)] += part.numel()
+        return [part for _, part in ordered], counts
+
+    send_views, send_counts = by_peer(sends)
+    recv_views, recv_counts = by_peer(recvs)
+    packed = torch.cat(send_views) if send_views else like[:0]
+    arrived = ctx.scratch.get("alltoall-island", sum(recv_counts), like)
+    ctx.vendor.alltoall(arrived, packed, recv_counts, send_counts)
+    _unpack(arrived, recv_views)

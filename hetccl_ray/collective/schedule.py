@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from hetccl_ray.topology import Topology, split
 
@@ -85,20 +85,26 @@ class BorderStep:
     fold: bool = False
     rows: bool = False
     lands: tuple[Land, ...] = ()
+    island: bool = False  # moves inside the island as one vendor all-to-all (every island rank takes the step)
 
     def describe(self) -> str:
         out = ", ".join(f"{m.describe()}->r{m.peer}" for m in self.sends)
         into = ", ".join(f"r{m.peer}->{m.describe()}" for m in self.recvs)
-        return f"border{' rows' if self.rows else ''} send [{out}] recv{' fold' if self.fold else ''} [{into}]"
+        kind = "island alltoall" if self.island else "border" + (" rows" if self.rows else "")
+        return f"{kind} send [{out}] recv{' fold' if self.fold else ''} [{into}]"
+
+
+Step = Union[IslandStep, BorderStep]
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Island steps, border steps, island steps: the border part may overlap other pieces'."""
+    """Steps inside the islands, border steps, steps inside again: the border part may overlap
+    other pieces' (the steps inside are the island library's, or moves between island ranks)."""
 
-    before: tuple[IslandStep, ...] = ()
+    before: tuple[Step, ...] = ()
     across: tuple[BorderStep, ...] = ()
-    after: tuple[IslandStep, ...] = ()
+    after: tuple[Step, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,8 +127,8 @@ class Plan:
         mine = topo.island_of(self.rank)
         out: dict[int, int] = {}
         for piece in self.pieces:
-            for step in piece.across:
-                for move in step.sends:
+            for step in (*piece.before, *piece.across, *piece.after):
+                for move in step.sends if isinstance(step, BorderStep) else ():
                     if move.span[1] and (not across or topo.island_of(move.peer) != mine):
                         out[move.peer] = out.get(move.peer, 0) + move.span[1]
         return out

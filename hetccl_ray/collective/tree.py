@@ -21,6 +21,7 @@ import torch
 from hetccl_ray.collective import rounds, routes
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement, on_host
 from hetccl_ray.collective.runner import execute
+from hetccl_ray.collective.schedule import BUF
 from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
 
@@ -126,7 +127,8 @@ def small(ctx, call: Call, buf: torch.Tensor, out: Optional[torch.Tensor] = None
     rank made ``call`` (then the results are written), else who called what (no user buffer
     touched; what peers sent ahead drained)."""
     plan = rounds.build(ctx.topo, ctx.rank, call.op, buf.numel(), call.root)
-    return execute(ctx, plan, buf, call.reduce, out, Agreement(ctx, call))
+    return execute(ctx, plan, {BUF: buf} if out is None else {BUF: buf, "out": out}, call.reduce,
+                   Agreement(ctx, call))
 
 
 def check(ctx, call: Call, rows: Optional[Rows] = None, then: Optional[Callable[[int], None]] = None) -> Optional[str]:
@@ -137,7 +139,7 @@ def check(ctx, call: Call, rows: Optional[Rows] = None, then: Optional[Callable[
     rows = rows if rows is not None else {ctx.rank: call.encode()}
     if ctx.shared is None:
         plan = rounds.build(ctx.topo, ctx.rank, "check")
-        return execute(ctx, plan, _NO_DATA, agreement=Agreement(ctx, call, rows, then))
+        return execute(ctx, plan, {BUF: _NO_DATA}, agreement=Agreement(ctx, call, rows, then))
     rows.update(ctx.shared.rows(rows[ctx.rank]))
     return _verdict(ctx, rows)
 
