@@ -554,16 +554,15 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
 
 
 def _explain(spec: BenchSpec, islands: list[str]) -> pd.DataFrame:
-    """``--explain``: the hierarchical plan of every planned op and size, printed."""
-    from hetccl_ray.collective import schedule
-    from hetccl_ray.plan import explain
+    """``--explain``: the plan of every planned op and size, printed."""
+    from hetccl_ray.plan import OPS, explain
 
     topo = Topology.from_islands(islands)
     itemsize = torch.tensor([], dtype=getattr(torch, spec.dtype)).element_size()
     for op in spec.ops:
         for size in spec.sizes:
-            print("\n".join(explain(topo, op, size, itemsize)) if op in schedule.OPS
-                  else f"{op} of {size:,} B: no hierarchical plan (point to point or routes.py)", end="\n\n")
+            print("\n".join(explain(topo, op, size, itemsize)) if op in OPS
+                  else f"{op} of {size:,} B: no plan (point to point)", end="\n\n")
     return pd.DataFrame()
 
 

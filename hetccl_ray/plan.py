@@ -1,5 +1,5 @@
-"""Print a collective's plan without a cluster: its steps per rank, bytes per link, border
-bytes against the bound.
+"""Print a collective's plan without a cluster (all-to-all's too): its steps per rank, bytes
+per link, border bytes against the bound.
 
     python -m hetccl_ray.plan --layout 1,2,3 --interleave --op allreduce --size 16M [--steps]
 
@@ -11,43 +11,49 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from hetccl_ray.collective import rounds, schedule
+from hetccl_ray.collective import rounds, routes, schedule
 from hetccl_ray.topology import Topology
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
 
+OPS = (*schedule.OPS, "alltoall")
+
+
 def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int = 0,
             piece_bytes: Optional[int] = 4 << 20, steps: bool = False) -> list[str]:
-    """Lines describing ``op`` on a buffer of ``nbytes`` (nccl-tests' size): the hierarchical
-    plan's pieces, bytes per cross-island link and in all against the bound, the small
-    round's border bytes; with ``steps``, every rank's steps."""
-    unit = itemsize * (topo.world_size if op in ("allgather", "reducescatter") else 1)
+    """Lines describing ``op`` on a buffer of ``nbytes`` (nccl-tests' size; all-to-all: each
+    rank's input, S/n to every rank): the plan's pieces, bytes per cross-island link and in
+    all against the bound, the small round's border bytes; with ``steps``, every rank's steps."""
+    world = topo.world_size
+    unit = itemsize * (world if op in ("allgather", "reducescatter", "alltoall") else 1)
     n = max(nbytes // unit, 1) * unit // itemsize
     size = n * itemsize
-    pieces = schedule.piece_count(schedule.largest_region(topo, op, n) * itemsize, piece_bytes)
-    plans = [schedule.build(topo, r, op, n, root, pieces) for r in range(topo.world_size)]
+    if op == "alltoall":  # the routes of device buffers (host blocks go straight: the same border bytes)
+        counts = ((n // world,) * world,) * world
+        pieces = schedule.piece_count(routes.largest_crossing(topo, counts) * itemsize, piece_bytes)
+        plans, bound, text = ([routes.plan(topo, r, counts, pieces, True) for r in range(world)],
+                              routes.across_bytes(topo, counts, itemsize), "what crosses, once")
+    else:
+        pieces = schedule.piece_count(schedule.largest_region(topo, op, n) * itemsize, piece_bytes)
+        plans = [schedule.build(topo, r, op, n, root, pieces) for r in range(world)]
+        bound, text = schedule.bound(topo, op, size), "2(k-1)S" if op == "allreduce" else "(k-1)S"
     sent = sum(sum(p.sent(topo).values()) for p in plans) * itemsize
     lines = [topo.describe(), f"{op} of {size:,} B ({n:,} elements of {itemsize} B)"
              + (f", root {root}" if op in schedule.ROOTED else ""),
-             f"hierarchical plan: {len(plans[0].pieces)} piece(s); border bytes {sent:,} "
-             f"= bound {schedule.bound(topo, op, size):,} ({_bound_text(op)})"]
+             f"{'routes' if op == 'alltoall' else 'hierarchical'} plan: {len(plans[0].pieces)} piece(s); "
+             f"border bytes {sent:,} = bound {bound:,} ({text})"]
     for p in plans:
         for peer, elements in sorted(p.sent(topo).items()):
             lines.append(f"  link rank {p.rank} -> rank {peer}: {elements * itemsize:,} B")
-    small = [rounds.build(topo, r, op, n, root) for r in range(topo.world_size)]
-    lines.append(f"small round (3 hops, call rows inside): border bytes "
-                 f"{sum(sum(r.sent(topo).values()) for r in small) * itemsize:,}")
+    small = [rounds.build(topo, r, op, n, root) for r in range(world)] if op in rounds.OPS else []
+    if small:
+        lines.append(f"small round (3 hops, call rows inside): border bytes "
+                     f"{sum(sum(r.sent(topo).values()) for r in small) * itemsize:,}")
     if steps:
-        for p in plans:
+        for p in (*plans, *small):
             lines += p.describe()
-        for r in small:
-            lines += r.describe()
     return lines
-
-
-def _bound_text(op: str) -> str:
-    return "2(k-1)S" if op == "allreduce" else "(k-1)S"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -57,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hetccl_ray.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", default="2x2", help="islands: '2x2' (2 islands of 2), '1,2,3'")
     parser.add_argument("--interleave", action="store_true", help="deal ranks to islands round-robin")
-    parser.add_argument("--op", default="allreduce", choices=schedule.OPS)
+    parser.add_argument("--op", default="allreduce", choices=OPS)
     parser.add_argument("--size", type=parse_size, default=parse_size("16M"))
     parser.add_argument("--dtype", default="float32", choices=list(_ITEMSIZE))
     parser.add_argument("--root", type=int, default=0)

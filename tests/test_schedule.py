@@ -102,6 +102,15 @@ def test_explain_prints_the_bound_without_a_cluster(capsys):
     assert out.count("rank 5: reducescatter plan of") == out.count("rank 5: reducescatter small round of") == 1
 
 
+def test_explain_an_alltoall(capsys):
+    from hetccl_ray.plan import main
+
+    main(["--layout", "2x2", "--op", "alltoall", "--size", "96", "--steps"])
+    out = capsys.readouterr().out
+    assert "routes plan: 1 piece(s); border bytes 192 = bound 192" in out and "small round" not in out
+    assert "rank 3: alltoall plan of 24 elements" in out and "island alltoall send" in out
+
+
 # -- the small round as data (rounds.py) -----------------------------------------------------------
 
 def _rounds(topo: Topology, op: str, n: int, root: int) -> list:
