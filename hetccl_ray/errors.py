@@ -16,6 +16,14 @@ class HetCCLTimeoutError(HetCCLError, TimeoutError):
         self.waiting_for = waiting_for
 
 
+class RecordsMissing(HetCCLTimeoutError):
+    """Rendezvous records that did not arrive before the deadline (``missing``: their keys)."""
+
+    def __init__(self, message: str, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 class HetCCLPeerError(HetCCLError):
     """A peer closed its connection or failed during an op."""
 

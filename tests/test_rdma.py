@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hetccl_ray.collective import plans
 from hetccl_ray.collective.rendezvous import StoreRendezvous
-from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError
+from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.transport.base import Tag, chunks
 from hetccl_ray.transport.rdma import (ABORT, CTS, Completion, CompletionRouter, ConnInfo, Control, MRCache,
                                        RdmaBorder, Region)
@@ -270,3 +270,14 @@ def test_a_verbs_error_while_connecting_names_device_and_queue_pairs():
     close_all(borders)
     for rank, message in enumerate(messages):
         assert f"RDMA fake_mlx5_{rank} QP" in message and f"could not connect to rank {1 - rank}" in message, message
+
+
+def test_a_peer_that_never_publishes_its_queue_pairs_is_named():
+    """Connecting waits for the peer's queue-pair record until the deadline, then names the rank."""
+    fabric, store = FakeFabric(), dist.HashStore()
+    border = RdmaBorder(0, fabric.nic("fake_mlx5_0"), StoreRendezvous(store, "alone"), timeout_s=0.3)
+    try:
+        with pytest.raises(HetCCLTimeoutError, match=r"rank 0: ranks \[1\] did not publish their RDMA queue pairs"):
+            border.connect([1])
+    finally:
+        border.close()

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from hetccl_ray import devices
 from hetccl_ray.collective.options import GroupOptions, ProcessOptions
-from hetccl_ray.collective.rendezvous import RecordsMissing, Rendezvous, StoreRendezvous
-from hetccl_ray.errors import HetCCLError, HetCCLMismatchError, HetCCLTimeoutError
+from hetccl_ray.collective.rendezvous import Rendezvous, StoreRendezvous
+from hetccl_ray.errors import HetCCLError, HetCCLMismatchError, HetCCLTimeoutError, RecordsMissing
 from hetccl_ray.topology import Topology, island_for
 from hetccl_ray.transport import verbs
 from hetccl_ray.transport.choice import Choice, choose

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 import ray.experimental.internal_kv as kv
 
-from hetccl_ray.errors import HetCCLTimeoutError
+from hetccl_ray.errors import RecordsMissing
 
 NAMESPACE = "hetccl"
 
@@ -37,14 +37,6 @@ def get_raw(key: str) -> Optional[bytes]:
 
 def delete(key: str) -> None:
     kv._internal_kv_del(key, namespace=NAMESPACE)
-
-
-class RecordsMissing(HetCCLTimeoutError):
-    """Records that did not arrive before the deadline (``missing``: their keys)."""
-
-    def __init__(self, message: str, missing: list[str]) -> None:
-        super().__init__(message)
-        self.missing = missing
 
 
 class Rendezvous:

@@ -30,7 +30,7 @@ import torch
 
 from hetccl_ray import devices
 from hetccl_ray.buffers import combine
-from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
+from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError, RecordsMissing
 from hetccl_ray.transport.base import ByteCounter, Handle, Tag, chunks, mismatch
 
 logger = logging.getLogger(__name__)
@@ -527,10 +527,10 @@ class RdmaBorder(ByteCounter):
         keys = {peer: f"rdma/{peer}->{self.rank}" for peer in peers}
         try:
             records = self.rendezvous.wait(list(keys.values()), time.monotonic() + self.timeout_s)
-        except HetCCLTimeoutError as exc:
+        except RecordsMissing as exc:
             for qp in qps.values():
                 qp.close()
-            missing = sorted(peer for peer, key in keys.items() if key in getattr(exc, "missing", keys.values()))
+            missing = sorted(peer for peer, key in keys.items() if key in exc.missing)
             raise HetCCLTimeoutError(f"rank {self.rank}: ranks {missing} did not publish their RDMA queue pairs "
                                      f"within {self.timeout_s:.1f}s") from None
         for peer, qp in qps.items():
