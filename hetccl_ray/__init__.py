@@ -75,7 +75,7 @@ def _answers(refs: Sequence[Any], ranks: Sequence[int], group_name: str, what: s
         try:
             ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - reported with the actor it came from
-            cause = getattr(exc, "cause", exc)
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
             kind = type(cause) if isinstance(cause, HetCCLError) else HetCCLError
             raise kind(f"group '{group_name}': actor {i} (rank {ranks[i]}) failed while {what}: {cause}") from exc
 
