@@ -343,3 +343,33 @@ def test_without_call_checks_ops_still_run_and_no_check_is_sent(actors):
     results = ray.get([a.call.remote(_barrier_then_allreduce, "unchecked", r) for r, a in enumerate(group)])
     _check_sum([x for x, _ in results], 3)
     assert all("check" not in per_op and per_op.get("allreduce") for _, per_op in results[:2]), results
+
+
+def _broadcasts_then_stats(name, rank, world, n):
+    group, got = hetccl_ray.get_group(name), []
+    col.barrier(group_name=name)
+    before = group.border_stats()["messages_sent"]
+    for root in range(world):
+        x = torch.full((n,), float(rank * 10 + 1)) if rank == root else torch.zeros(n)
+        col.broadcast(x, root, group_name=name)
+        got.append(x.numpy())
+    stats = group.border_stats()
+    return got, stats["per_op"].get("broadcast", 0), stats["messages_sent"] - before, group.plan_of("broadcast", n * 4)
+
+
+def test_without_call_checks_a_small_broadcast_takes_two_hops_and_sends_the_bound(actors):
+    """Calls not checked: a small broadcast is the two-hop plan (no rows): every root's values
+    on every rank, one message per receiver (the round would send four: up, across both ways,
+    down), and the border bytes of all of them the bound (k-1)S each."""
+    group = [actors["a"][1], actors["b"][0], actors["b"][1]]
+    name, world, n = "unchecked-broadcast", 3, 256
+    hetccl_ray.create_collective_group(group, world, list(range(world)), group_name=name, timeout_s=30,
+                                       check_calls=False, flat="off", small_bytes=1 << 16)
+    results = ray.get([a.call.remote(_broadcasts_then_stats, name, r, world, n) for r, a in enumerate(group)])
+    for got, _, _, plan in results:
+        assert plan == "2hop"  # the size the small plans take, calls not checked
+        for root in range(world):
+            np.testing.assert_array_equal(got[root], np.full(n, root * 10 + 1.0))
+    assert sum(messages for _, _, messages, _ in results) == world * (world - 1)
+    assert sum(sent for _, sent, _, _ in results) == world * (2 - 1) * n * 4  # two islands: S per broadcast
+    ray.get([a.call.remote(lambda: col.destroy_collective_group(name)) for a in group])

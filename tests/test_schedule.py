@@ -102,6 +102,24 @@ def test_explain_prints_the_bound_without_a_cluster(capsys):
     assert out.count("rank 5: reducescatter plan of") == out.count("rank 5: reducescatter small round of") == 1
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_hop_broadcast_sends_the_bound_and_reaches_every_rank_once(layout):
+    """Per root: border bytes (k-1)S, every rank but the root receives exactly once, a rank
+    that passes the buffer on receives it in an earlier step than it sends, and every send has
+    its receive."""
+    topo = Topology.from_islands(LAYOUTS[layout])
+    world = topo.world_size
+    for root in range(world):
+        plans = [schedule.two_hop_broadcast(topo, r, 5, root) for r in range(world)]
+        assert sum(sum(p.sent(topo).values()) for p in plans) == schedule.bound(topo, "broadcast", 5)
+        sends = [(p.rank, m.peer, s) for p in plans for s, step in enumerate(p.pieces[0].across) for m in step.sends]
+        recvs = [(m.peer, p.rank, s) for p in plans for s, step in enumerate(p.pieces[0].across) for m in step.recvs]
+        assert sorted(src_dst[:2] for src_dst in sends) == sorted(src_dst[:2] for src_dst in recvs)
+        assert sorted(dst for _, dst, _ in recvs) == [r for r in range(world) if r != root]
+        got = {dst: s for _, dst, s in recvs}
+        assert all(src == root or got[src] < s for src, _, s in sends), (root, sends, recvs)
+
+
 def test_explain_an_alltoall(capsys):
     from hetccl_ray.plan import main
 

@@ -98,7 +98,9 @@ class HetCCLGroup(BaseGroup):
                         choice.why)
         self._progress = Progress(self._rendezvous, rank)
         self._island_for(devices.HOST)
+        self._probing = True  # the planner's probes time the round, whatever the options
         self._calibrate()
+        self._probing = False
         logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
 
     def _calibrate(self) -> None:
@@ -155,8 +157,9 @@ class HetCCLGroup(BaseGroup):
         return self.planner.small_bytes
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True) -> str:
-        """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round",
-        "flat" (CPU tensors on every rank) or "plan" (one island: the vendor op); all-to-all:
+        """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round" (a
+        broadcast whose calls are not checked: "2hop"), "flat" (CPU tensors on every rank) or
+        "plan" (one island: the vendor op); all-to-all:
         "flat" through shared memory, "pull" from the senders' memory, else "direct" (blocks
         straight to their ranks); a send of CPU memory: "pull" by its receiver, else "p2p"."""
         if op == "send":
@@ -165,7 +168,9 @@ class HetCCLGroup(BaseGroup):
             if self._shared is None or not every_rank_on_host or not self._shared.takes_alltoall(nbytes):
                 return "direct"
             return "pull" if self._shared.pulls(nbytes) else planner.FLAT
-        return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
+        plan = self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
+        unchecked = not self.options.check_calls and not self._probing  # the planner's probes time the round
+        return planner.TWO_HOP if plan == planner.ROUND and op == "broadcast" and unchecked else plan
 
     def cost_model(self) -> list[str]:
         """The link costs and the plan each op takes by size, as lines for a header."""
@@ -248,8 +253,9 @@ class HetCCLGroup(BaseGroup):
         group of GPU and CPU islands always takes one plan:
 
         - a collective up to the small-message threshold runs its round over ``staged``
-          (rounds.py's data run by tree.py, whose messages also carry every rank's call); device
-          buffers in ``staged`` go through host memory for it;
+          (rounds.py's plan, whose messages also carry every rank's call; with calls not
+          checked, a broadcast takes two hops instead); device buffers in ``staged`` go
+          through host memory for it;
         - a group of one island runs the vendor op (``body``; on the stream for device
           tensors) with no host round, except host collectives small enough for the round
           (its calls are checked only with the ``strict`` option);
@@ -319,7 +325,8 @@ class HetCCLGroup(BaseGroup):
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
         problem = None
         small = call.op in rounds.OPS  # a collective the round and the flat plan can run
-        by_round = small and self.plan_of(call.op, self._whole_bytes(call)) == planner.ROUND
+        plan = self.plan_of(call.op, self._whole_bytes(call)) if small else None
+        by_round = plan in (planner.ROUND, planner.TWO_HOP)  # the small plans
         if before is not None:
             ctx.launch(before)
         if peer is not None or self.world_size == 1:
@@ -329,7 +336,7 @@ class HetCCLGroup(BaseGroup):
             if call.numel:
                 body(ctx)
         elif by_round:
-            problem = self._staged(ctx, call, staged)
+            problem = self._staged(ctx, call, staged, plan)
         else:
             if ctx.shared is not None and ahead is not None and ctx.device.host and self.options.check_calls:
                 ctx.shared.ahead(ahead, pull=call.op == "alltoall")
@@ -357,18 +364,26 @@ class HetCCLGroup(BaseGroup):
             self._streams[device] = device.new_stream()
         return self._streams[device]
 
-    def _staged(self, ctx: PlanContext, call: Call,
-                staged: Sequence[torch.Tensor]) -> Optional[str]:
-        """The small round on host copies of device buffers (as is for host ones): wait for the
-        stream, copy down, run the round, launch the copies back up."""
+    @staticmethod
+    def _small(ctx: PlanContext, call: Call, plan: str, *bufs: torch.Tensor) -> Optional[str]:
+        """A small ``plan`` on host buffers: the op's round (the call rows inside: who
+        disagrees, or None), or a broadcast in two hops with no rows."""
+        if plan == planner.TWO_HOP:
+            plans.two_hop_broadcast(ctx, bufs[0], call.root)
+            return None
+        return tree.small(ctx, call, *bufs)
+
+    def _staged(self, ctx: PlanContext, call: Call, staged: Sequence[torch.Tensor], plan: str) -> Optional[str]:
+        """The small ``plan`` on host copies of device buffers (as is for host ones): wait for
+        the stream, copy down, run it, launch the copies back up."""
         if ctx.device.host:
-            return tree.small(ctx, call, *staged)
+            return self._small(ctx, call, plan, *staged)
         ctx.host_wait()
         hosts = [self._scratch.host(("staged", i), t, ctx.device) for i, t in enumerate(staged)]
         with ctx.device.using(ctx.stream):
             for host, t in zip(hosts, staged):
                 host.copy_(t)
-        problem = tree.small(ctx, call, *hosts)
+        problem = self._small(ctx, call, plan, *hosts)
         if problem is None:
             for host, t in zip(hosts, staged):
                 ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)

@@ -34,7 +34,8 @@ class GroupOptions:
     check_calls: before a large collective, ranks compare what they called (op, dtype,
         count, root, reduce op) in one round of rows (tree.py) and raise on a mismatch, naming
         the ranks (``HETCCL_CHECK_CALLS=0`` saves that round; small collectives carry the rows
-        in their own messages, so they are always checked).
+        in their own messages, so they are still checked, except a small broadcast, which then
+        takes two hops with no rows).
     strict: also check the calls of a group of one island on device tensors, whose ops are
         otherwise the vendor op alone on the stream (a host round per op; ``HETCCL_STRICT=1``,
         as torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``).

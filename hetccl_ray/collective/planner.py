@@ -35,6 +35,7 @@ ROUND_PROBE_BUDGET_S = 2.0
 OP_PROBE_BYTES = (4 << 20, 16 << 20)
 OP_PROBE_BUDGET_S = 2.0
 ROUND, PLAN, FLAT = "round", "plan", "flat"
+TWO_HOP = "2hop"  # a small broadcast whose calls are not checked: the round's place, no rows
 
 
 @dataclass

@@ -82,6 +82,12 @@ def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
     execute(ctx, plan_for(ctx, "broadcast", buf, root), {BUF: buf})
 
 
+def two_hop_broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
+    """A small broadcast whose call every rank knows (calls not checked): root to its island and
+    the other leaders, leaders to their islands."""
+    execute(ctx, schedule.two_hop_broadcast(ctx.topo, ctx.rank, buf.numel(), root), {BUF: buf})
+
+
 def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
     """Reduce-scatter in each island, partials to the root's island, gathered at root."""
     execute(ctx, plan_for(ctx, "reduce", buf, root), {BUF: buf}, op)

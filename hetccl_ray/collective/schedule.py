@@ -332,6 +332,24 @@ def _step(sends: list[tuple[int, Span]], recvs: list[tuple[int, Span]], fold: bo
     return BorderStep(tuple(Move(p, s) for p, s in sends if s[1]), tuple(Move(p, s) for p, s in recvs if s[1]), fold)
 
 
+@functools.lru_cache(maxsize=256)
+def two_hop_broadcast(topo: Topology, rank: int, n: int, root: int) -> Plan:
+    """A small broadcast for calls every rank already knows (calls not checked): the root sends
+    the buffer to the other ranks of its island and to every other island's leader, each of
+    those leaders to the rest of its island. Two hops and one message per receiver, against
+    the round's three with rows; border bytes (k-1)S, the bound."""
+    home, mine, whole = topo.island_of(root), topo.island_of(rank), (0, n)
+    first = [r for r in home.ranks if r != root] + [island.ranks[0] for island in topo.islands if island != home]
+    if rank == root:
+        steps = (_step([(peer, whole) for peer in first], []),)
+    elif rank in first:
+        rest = mine.ranks[1:] if mine != home else ()
+        steps = (_step([], [(root, whole)]), _step([(peer, whole) for peer in rest], []))
+    else:
+        steps = (_step([], [(mine.ranks[0], whole)]),)
+    return Plan("broadcast", rank, n, (Piece(across=steps),))
+
+
 @functools.lru_cache(maxsize=64)
 def flat_topology(world: int) -> Topology:
     """One island of ``world`` ranks: the layout of the flat plan (a library over every rank)."""
