@@ -6,7 +6,6 @@ call is the four ranks' CPU together: a before/after check of the round's Python
     .venv/bin/python benchmarks/round_cpu.py 2000 allreduce,check
 """
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,32 +16,17 @@ import torch  # noqa: E402
 from hetccl_ray.collective import tree  # noqa: E402
 from hetccl_ray.collective.calls import Call  # noqa: E402
 from hetccl_ray.topology import Topology  # noqa: E402
-from hetccl_ray.transport.tcp import TcpBorder  # noqa: E402
-from tests.fakes import run_ranks  # noqa: E402 - the round uses no island (FAKE unused)
+from tests.fakes import loopback_borders, run_ranks  # noqa: E402 - the round uses no island (FAKE unused)
 
 ISLANDS = ["a", "a", "b", "b"]
 OPS = ["check", "allreduce", "broadcast", "allgather", "reducescatter"]
-
-
-def connected(topo: Topology) -> list[TcpBorder]:
-    borders = [TcpBorder(r, "127.0.0.1") for r in range(topo.world_size)]
-    addresses = {r: b.address for r, b in enumerate(borders)}
-    for r, border in enumerate(borders):
-        border.set_peers({p: a for p, a in addresses.items() if p != r}, bytes(32),
-                         frozenset(topo.island_of(r).ranks) - {r})
-    threads = [threading.Thread(target=b.connect_all, args=(10,)) for b in borders]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return borders
 
 
 def main() -> None:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     ops = sys.argv[2].split(",") if len(sys.argv) > 2 else OPS
     topo = Topology.from_islands(ISLANDS)
-    borders = connected(topo)
+    borders = loopback_borders(topo)
     seq = 0
     for op in ops:
         n = 256  # 1 KiB of float32 (allgather/reducescatter: the whole buffer)

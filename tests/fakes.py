@@ -1,7 +1,8 @@
 """In-process FAKES of an island communicator and a border, for testing plans alone.
 
 Named as fakes: they stand in for Gloo/NCCL and TCP only in plan unit tests, where ranks
-are threads of one process. Group tests use the real parts on a real Ray cluster.
+are threads of one process. Group tests use the real parts on a real Ray cluster;
+``loopback_borders`` gives ``run_ranks`` the real TCP border instead of the FAKE one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hetccl_ray.buffers import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 from hetccl_ray.topology import Topology
 from hetccl_ray.transport.base import Handle, Tag
+from hetccl_ray.transport.tcp import TcpBorder
 
 
 def _poison(buf: torch.Tensor) -> None:
@@ -149,6 +151,21 @@ class FakeBorder:
 
     def close(self):
         pass
+
+
+def loopback_borders(topo: Topology) -> list[TcpBorder]:
+    """One real TCP border per rank of ``topo`` on loopback, all connected (close them after)."""
+    borders = [TcpBorder(r, "127.0.0.1") for r in range(topo.world_size)]
+    addresses = {r: b.address for r, b in enumerate(borders)}
+    for r, border in enumerate(borders):
+        border.set_peers({p: a for p, a in addresses.items() if p != r}, bytes(32),
+                         frozenset(topo.island_of(r).ranks) - {r})
+    threads = [threading.Thread(target=b.connect_all, args=(10,)) for b in borders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return borders
 
 
 def run_ranks(island_of_rank: Sequence[str], body: Callable[[PlanContext], object],

@@ -5,7 +5,6 @@ touched; the counters against the bytes the round promises."""
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from hetccl_ray.collective.calls import Call
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology
 from hetccl_ray.transport.tcp import TcpBorder
-from tests.fakes import run_ranks
+from tests.fakes import loopback_borders, run_ranks
 
 LAYOUTS = {"2+2": ["a", "a", "b", "b"], "1+2+3 interleaved": ["a", "b", "a", "c", "b", "a"],
            "one island": ["a", "a", "a"], "1+1": ["a", "b"]}
@@ -28,16 +27,7 @@ def layout(request):
     """A layout and one real TCP border per rank, all connected."""
     islands = LAYOUTS[request.param]
     topo = Topology.from_islands(islands)
-    borders = [TcpBorder(r, "127.0.0.1") for r in range(topo.world_size)]
-    addresses = {r: b.address for r, b in enumerate(borders)}
-    for r, border in enumerate(borders):
-        border.set_peers({p: a for p, a in addresses.items() if p != r}, bytes(32),
-                         frozenset(topo.island_of(r).ranks) - {r})
-    threads = [threading.Thread(target=b.connect_all, args=(10,)) for b in borders]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    borders = loopback_borders(topo)
     yield islands, topo, borders
     for border in borders:
         border.close()
