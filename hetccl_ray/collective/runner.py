@@ -306,7 +306,6 @@ def _border_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optiona
     each way (both ends see the same moves, so both decide alike). Of the folds into one span,
     the first reduces as it lands and the rest land in scratch and are folded in after, in the
     step's order. ``where``: the stage, whose scratch is its own (stages overlap)."""
-    ctx.host_wait()  # the producing work is done before packing reads it
     recvs: list[Recv] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -321,15 +320,19 @@ def _border_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optiona
                 partial = ctx.scratch.get(("fold", len(staged)), move.span[1], held.like)
                 staged.append((target, partial))
                 recvs.append((move.peer, partial))
-    for peer, views in _per_peer(step.recvs, held).items() if not step.fold else ():
-        if _packs(views):
-            into = ctx.scratch.get(("packed", where, peer), sum(v.numel() for v in views), views[0])
-            recvs.append((peer, into))
-            unpack.append((into, views))
-        else:
-            recvs += [(peer, view) for view in views]
+    else:
+        for peer, views in _per_peer(step.recvs, held).items():
+            if _packs(views):
+                into = ctx.scratch.get(("packed", where, peer), sum(v.numel() for v in views), views[0])
+                recvs.append((peer, into))
+                unpack.append((into, views))
+            else:
+                recvs += [(peer, view) for view in views]
+    outgoing = _per_peer(step.sends, held)
+    if any(map(_packs, outgoing.values())):
+        ctx.host_wait()  # packing reads the buffers on the host: their producing work first
     sends: list[tuple[int, torch.Tensor]] = []
-    for peer, views in _per_peer(step.sends, held).items():
+    for peer, views in outgoing.items():
         sends += [(peer, torch.cat(views))] if _packs(views) else [(peer, part) for part in views]
     ctx.exchange(sends, recvs)
     for target, partial in staged:
