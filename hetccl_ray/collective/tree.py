@@ -62,8 +62,8 @@ class Agreement:
         self.then, self.spilled, self.decided, self.problem = then, False, False, None
 
     def moving(self, ctx) -> bool:
-        if len(self.rows) == ctx.topo.world_size and not self.decided:
-            self.problem, self.decided = _verdict(ctx, self.rows, self.spilled), True
+        if len(self.rows) == ctx.topo.world_size:  # every row known: decide now, before data moves
+            self.verdict(ctx)
         return not self.spilled and self.problem is None
 
     def packed(self) -> bytes:
