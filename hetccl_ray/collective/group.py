@@ -98,9 +98,7 @@ class HetCCLGroup(BaseGroup):
                         choice.why)
         self._progress = Progress(self._rendezvous, rank)
         self._island_for(devices.HOST)
-        self._probing = True  # the planner's probes time the round, whatever the options
         self._calibrate()
-        self._probing = False
         logger.info("hetccl group '%s' rank %d: %s", group_name, rank, self.topology.describe())
 
     def _calibrate(self) -> None:
@@ -168,9 +166,7 @@ class HetCCLGroup(BaseGroup):
             if self._shared is None or not every_rank_on_host or not self._shared.takes_alltoall(nbytes):
                 return "direct"
             return "pull" if self._shared.pulls(nbytes) else planner.FLAT
-        plan = self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
-        unchecked = not self.options.check_calls and not self._probing  # the planner's probes time the round
-        return planner.TWO_HOP if plan == planner.ROUND and op == "broadcast" and unchecked else plan
+        return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
 
     def cost_model(self) -> list[str]:
         """The link costs and the plan each op takes by size, as lines for a header."""

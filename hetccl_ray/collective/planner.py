@@ -53,10 +53,12 @@ class Planner:
     shared_memory: bool = False  # the flat library is shm.py's (every rank on one host), not Gloo
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
-        """"round", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests' size).
-        The flat plan needs the rows (``checked``) to show CPU tensors on every rank."""
+        """"round", "2hop", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests'
+        size). The flat plan needs the rows (``checked``) to show CPU tensors on every rank; a
+        small broadcast whose calls are not checked needs none and takes two hops (not when
+        calibration forces the round, which it times)."""
         if self.forced == ROUND or (self.forced is None and nbytes <= self.small_bytes.get(op, 0)):
-            return ROUND
+            return TWO_HOP if op == "broadcast" and not checked and self.forced is None else ROUND
         return self.beyond_round(op, nbytes, every_rank_on_host, checked)
 
     def beyond_round(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
@@ -135,9 +137,13 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
         planner.small_bytes = dict.fromkeys(costs.OPS, small_bytes or 0)
         return
     planner.small_bytes = dict.fromkeys(costs.OPS, costs.MAX_SMALL_BYTES)  # the probes go by the small round
-    hops = timed(barrier, PROBE_ROUNDS + 1)[1:]
     measure_flat = planner.flat and flat_mode == "auto"
-    probes = _probes([broadcast, flat_broadcast] if measure_flat else [broadcast], PROBE_ROUNDS)
+    planner.forced = ROUND  # the link is timed by the round's broadcasts, whatever the options
+    try:
+        hops = timed(barrier, PROBE_ROUNDS + 1)[1:]
+        probes = _probes([broadcast, flat_broadcast] if measure_flat else [broadcast], PROBE_ROUNDS)
+    finally:
+        planner.forced = None
     measured = costs.measure(hops, probes[0], topology)
     numbers = [measured.hop_s, 1 / measured.bytes_per_s]
     if measure_flat:
