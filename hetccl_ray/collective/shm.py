@@ -15,10 +15,11 @@ does a large message (the sender tells where its bytes lie and waits until its r
 them read).
 
 Rows and data are double-buffered by parity: a rank rewrites one two checks later, after
-the next check proved every rank done reading it. A rank that must wait polls, yielding its
-core, for half a millisecond, then sleeps on its own named pipe; the last to arrive writes a
-byte to every waiter's (no core spins, which on a host with more ranks than cores would take
-the time of the ranks being waited for). Buffers over ``PIECE_BYTES`` go in pieces, so
+the next check proved every rank done reading it. A rank that must wait sleeps on a futex in
+the control segment, which the last to arrive bumps and wakes (one system call wakes every
+waiter); where the host has a core per rank it first polls, yielding its core, for half a
+millisecond (on a host with more ranks than cores, as MPI's yield-when-idle, it never polls:
+a polling rank takes the time of the ranks it waits for). Buffers over ``PIECE_BYTES`` go in pieces, so
 segments stay bounded. Files are unlinked once every rank has mapped them: nothing is left in
 /dev/shm when a process dies. Counter stores are ordered after the data stores only on x86-64
 (total store order); elsewhere the group keeps Gloo and the border's round.
@@ -31,9 +32,8 @@ import mmap
 import os
 import platform
 import secrets
-import select
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -63,10 +63,11 @@ ALLTOALL_BYTES = 1 << 20
 # receiver over a Unix socket (whose buffer holds 4 MiB), so pulling it makes no program wait
 # that did not; two copies through the socket become one
 MESSAGE_PULL_BYTES = 4 << 20
-# how long a waiting rank polls, yielding its core between polls, before it sleeps on its pipe (a
-# time, not a count: a cheaper poll must not shorten it; on 2x2 0.2 and 0.5 ms alike, 2 ms slower)
+# how long a waiting rank polls, yielding its core between polls, before it sleeps (a time, not a
+# count: a cheaper poll must not shorten it; on 2x2 0.2 and 0.5 ms alike, 2 ms slower), where the
+# host has a core per rank; with more ranks than cores none (2x2 on 2 cores, 1 KiB broadcast after
+# a Gloo call: 342-351 -> 285-299 us, the slowest rank's median)
 _SPIN_S = 0.0005
-_RECHECK_S = 0.002  # a waiting rank looks again this often, had its wake-up been missed
 _LIVENESS_S = 0.05  # how often a waiting step asks whether a late rank's process is gone
 
 
@@ -74,7 +75,14 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 Linux, shared (not private) futexes
+_RECHECK = _Timespec(0, 2_000_000)  # a sleeping rank looks again this often (the deadline, a dead peer)
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 _libc.process_vm_readv.restype = ctypes.c_ssize_t
 _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
                                    ctypes.c_ulong, ctypes.c_ulong]
@@ -110,10 +118,11 @@ class ShmLibrary:
     alltoall) over ``size`` ranks of one host; ``create`` makes it where every rank maps
     a common file. ``row_width``: the most ints a call row holds."""
 
-    def __init__(self, prefix: str, control: np.ndarray, wakes: list[int], rank: int, size: int, row_width: int,
+    def __init__(self, prefix: str, control: np.ndarray, rank: int, size: int, row_width: int,
                  timeout_s: float, gone: Callable[[int], bool], names: Sequence[int],
                  pids: Optional[list[int]]) -> None:
-        self.rank, self.size, self.timeout_s, self._gone, self._wakes = rank, size, timeout_s, gone, wakes
+        self.rank, self.size, self.timeout_s, self._gone = rank, size, timeout_s, gone
+        self._spin_s = _SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
         self._names, self._pids = list(names), pids  # pids: where ranks may read each other's memory
         self._prefix, self._width = prefix, row_width + 1  # a row: its length, then its ints
         self._slot = self._slot_words(row_width, size)
@@ -125,6 +134,8 @@ class ShmLibrary:
         self._read_from = self._slots[:, -size:]  # [r, s]: how many of rank s's messages rank r has pulled
         self._offered = [0] * size  # messages this rank offered each rank to pull
         self._failed = words[size * self._slot:]  # one word: 1 + the rank that failed
+        self._epoch = control.view(np.int32)[2 * (size * self._slot + 1):][:1]  # the futex: bumped by wakers
+        self._epoch_at = ctypes.c_void_p(self._epoch.ctypes.data)
         self._steps, self._checks, self._ops, self._half, self._generation = 0, 0, 0, 0, 0
         self._ahead_of = -1  # the check whose op's data went ahead of it (``ahead``)
         self._pulled_ahead = -1  # the check whose all-to-all's block addresses went ahead of it
@@ -167,28 +178,18 @@ class ShmLibrary:
             path = store.get("shm/path").decode()
             if path:
                 control = cls._try(lambda: _mapped(path + "-control", nbytes, False))
-        wake = f"{path}-wake-{rank}"
-        mine = cls._try(lambda: (os.mkfifo(wake, 0o600), os.open(wake, os.O_RDWR | os.O_NONBLOCK))[1]) if path else None
-        usable = platform.machine() in ("x86_64", "AMD64") and control is not None and mine is not None
+        usable = platform.machine() in ("x86_64", "AMD64") and control is not None
         pids, probe = cls._readable(store, rank, size) if pull else (None, None)
         store.set(f"shm/ok/{rank}", "0" if not usable else "2" if pids else "1")
         oks = [store.get(f"shm/ok/{r}") for r in range(size)]
         agreed, pids = all(ok != b"0" for ok in oks), pids if all(ok == b"2" for ok in oks) else None
-        wakes = [mine if r == rank else os.open(f"{path}-wake-{r}", os.O_WRONLY | os.O_NONBLOCK)
-                 for r in range(size)] if agreed else []
         store.set(f"shm/open/{rank}", "1")
         for r in range(size):
-            store.get(f"shm/open/{r}")  # every rank has opened every pipe and read every probe (or given up)
+            store.get(f"shm/open/{r}")  # every rank has mapped the control file and read every probe (or given up)
         del probe
-        if mine is not None:
-            os.unlink(wake)
         if rank == 0 and path:
             os.unlink(path + "-control")
-        if not agreed:
-            if mine is not None:
-                os.close(mine)
-            return None
-        return cls(path, control, wakes, rank, size, row_width, timeout_s, gone, names or range(size), pids)
+        return cls(path, control, rank, size, row_width, timeout_s, gone, names or range(size), pids) if agreed else None
 
     @staticmethod
     def _readable(store: "dist.Store", rank: int, size: int) -> tuple[Optional[list[int]], np.ndarray]:
@@ -223,35 +224,29 @@ class ShmLibrary:
         self._arrived[self.rank] = step
         arrived = lambda: min(self._arrived.tolist()) >= step  # noqa: E731 - a poll: 0.1 us, numpy's 1.2
         if arrived():  # the last to arrive: wake the others
-            self._wake(r for r in range(self.size) if r != self.rank)
+            self._wake()
             return
         self._wait(arrived, what,
                    lambda: [self._names[r] for r in range(self.size) if self._arrived[r] < step])
 
-    def _wake(self, ranks: Iterable[int]) -> None:
-        for r in ranks:
-            try:
-                os.write(self._wakes[r], b"\0")
-            except BlockingIOError:  # its pipe is full of wake-ups: it is awake
-                pass
+    def _wake(self) -> None:
+        """Wake every waiting rank (each looks whether what it waits for is done)."""
+        self._epoch[0] += 1  # after this rank's stores: a rank about to sleep sees the change and does not
+        _libc.syscall(_SYS_FUTEX, self._epoch_at, _FUTEX_WAKE, 0x7fffffff, None, None, 0)
 
     def _wait(self, done: Callable[[], bool], what: str, late_of: Callable[[], list[int]],
               missing: str = "did not arrive") -> None:
         """Wait until ``done()`` (before the deadline; ``late_of()``: the ranks, by name, that
         it waits for, failing at once where one's process is gone; ``missing``: what a late
         one did not do, for the timeout's message)."""
-        spun = time.monotonic() + _SPIN_S
+        spun = time.monotonic() + self._spin_s
         while time.monotonic() < spun:
             os.sched_yield()
             if done():
                 return
         start = asked = time.monotonic()
         while True:
-            select.select([self._wakes[self.rank]], [], [], _RECHECK_S)
-            try:
-                os.read(self._wakes[self.rank], 4096)
-            except BlockingIOError:
-                pass
+            seen = int(self._epoch[0])  # read before done(): a wake-up after it changes it, and the futex returns
             if done():
                 return
             if self._failed[0]:
@@ -267,6 +262,7 @@ class ShmLibrary:
             if now - start > self.timeout_s:
                 raise HetCCLTimeoutError(f"shared-memory {what}: ranks {late} {missing} within "
                                          f"{self.timeout_s:.1f}s", late[0])
+            _libc.syscall(_SYS_FUTEX, self._epoch_at, _FUTEX_WAIT, seen, ctypes.byref(_RECHECK), None, 0)
 
     def rows(self, row: Sequence[int]) -> dict[int, list[int]]:
         """Every rank's row by name (this rank's is ``row``): the call check, and a step."""
@@ -508,7 +504,7 @@ class ShmLibrary:
         r = self._names.index(name)
         self._read(r, into, address, f"recv from rank {name}")
         self._read_from[self.rank, r] += 1
-        self._wake([r])
+        self._wake()
 
     def _fold(self, target: torch.Tensor, regions: list[torch.Tensor], span: Span, op: str) -> None:
         """``target`` (this rank's values) op= every peer's ``span``, in rank order."""
@@ -518,6 +514,3 @@ class ShmLibrary:
 
     def close(self) -> None:
         self._segments, self._views = [], {}
-        for wake in self._wakes:
-            os.close(wake)
-        self._wakes = []
