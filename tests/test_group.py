@@ -423,18 +423,30 @@ def _odd_tensors(name, rank, world):
     col.allreduce(scalar, group_name=name)
     matrix = torch.full((3, 4), float(rank + 1))
     col.broadcast(matrix, src_rank=world - 1, group_name=name)
-    return base.numpy(), backwards.copy(), empty.shape, scalar.item(), matrix.numpy()
+    leaf = torch.full((6,), float(rank + 1), requires_grad=True)  # a parameter: written outside autograd, as c10d
+    col.allreduce(leaf, group_name=name)
+    ins = [torch.full((2,), float(10 * rank + t), requires_grad=True) for t in range(world)]
+    outs = [torch.zeros(2, requires_grad=True) for _ in range(world)]
+    hetccl_ray.alltoall(ins, outs, group_name=name)
+    graded = (leaf.detach().numpy(), leaf.is_leaf and leaf.grad_fn is None,
+              [o.detach().numpy() for o in outs], all(o.is_leaf for o in outs))
+    return base.numpy(), backwards.copy(), empty.shape, scalar.item(), matrix.numpy(), graded
 
 
 def test_odd_tensors(actors):
     results = on_all(actors, "two", _odd_tensors)
     total = sum(range(1, 5))
-    for base, backwards, empty_shape, scalar, matrix in results:
+    for rank, (base, backwards, empty_shape, scalar, matrix, graded) in enumerate(results):
         np.testing.assert_array_equal(base[::2], np.full(10, total))
         np.testing.assert_array_equal(base[1::2], np.zeros(10))  # untouched between the strides
         np.testing.assert_array_equal(backwards, np.full(9, total))
         assert empty_shape == (0,) and scalar == total
         np.testing.assert_array_equal(matrix, np.full((3, 4), 4.0))
+        leaf, leaf_kept, outs, outs_kept = graded  # tensors that require grad: values in, autograd untouched
+        np.testing.assert_array_equal(leaf, np.full(6, total))
+        for sender, got in enumerate(outs):
+            np.testing.assert_array_equal(got, np.full(2, 10.0 * sender + rank))
+        assert leaf_kept and outs_kept
 
 
 def _bad_inputs(name, rank, world):

@@ -42,7 +42,9 @@ def to_torch(tensor: Any, moving: bool = False) -> torch.Tensor:
     if out.dtype not in SUPPORTED_DTYPES and not moving:
         raise HetCCLTypeError(f"unsupported dtype {out.dtype} for a reduction; supported: {_NAMES} (and complex "
                               f"for sum, through the torch backend); ops that only move data take any dtype")
-    return out
+    # a collective writes memory, as c10d's do, outside autograd: copies into or from a tensor that
+    # requires grad would be recorded (in place on a leaf: refused) on whichever thread runs the op
+    return out.detach() if out.requires_grad else out
 
 
 class Operand:
