@@ -29,10 +29,12 @@ def combine(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
 def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst = src for flat buffers (up to ``_SERIAL_ELEMENTS`` torch's own copy: serial there,
     and a few times cheaper to call than numpy's)."""
-    if dst.numel() > _SERIAL_ELEMENTS and _plain(dst, src):
+    if dst.numel() <= _SERIAL_ELEMENTS:
+        dst.copy_(src)
+    elif _plain(dst, src):
         np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
-        return
-    _serial(lambda d, s: d.copy_(s), dst, src)
+    else:
+        _serial(lambda d, s: d.copy_(s), dst, src)
 
 
 def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -45,7 +47,7 @@ def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 def _serial(step, dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.device.type != "cpu" or dst.numel() <= _SERIAL_ELEMENTS:
+    if dst.numel() <= _SERIAL_ELEMENTS or dst.device.type != "cpu":
         step(dst, src)
         return
     for start in range(0, dst.numel(), _SERIAL_ELEMENTS):
@@ -73,9 +75,10 @@ def overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
 
 
 def view(buf: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
-    """The ``(offset, length)`` span of a flat buffer."""
+    """The ``(offset, length)`` span of a flat buffer (the buffer itself where the span is all
+    of it: a slice costs a tensor, about a microsecond, on every small call)."""
     offset, length = span
-    return buf[offset:offset + length]
+    return buf if offset == 0 and length == buf.numel() else buf[offset:offset + length]
 
 
 class ScratchPool:

@@ -274,6 +274,7 @@ class EmulatedDevice(Device):
 
 HOST = HostDevice()
 _emulated: Optional[EmulatedDevice] = None
+_environment_read = False
 _torch_devices: dict[torch.device, TorchDevice] = {}
 _lock = threading.Lock()
 
@@ -288,9 +289,13 @@ def emulate(delay_s: float = 0.002) -> EmulatedDevice:
 
 
 def emulated() -> Optional[EmulatedDevice]:
-    """The emulated device, when this process uses one (``emulate()`` or ``HETCCL_EMULATED_DEVICE``)."""
-    if _emulated is None and os.environ.get("HETCCL_EMULATED_DEVICE"):
-        emulate(float(os.environ["HETCCL_EMULATED_DEVICE"]))
+    """The emulated device, when this process uses one (``emulate()``, or ``HETCCL_EMULATED_DEVICE``
+    as it was at the first lookup: every op looks, and reading the environment cost a microsecond)."""
+    global _environment_read
+    if not _environment_read:
+        _environment_read = True
+        if _emulated is None and os.environ.get("HETCCL_EMULATED_DEVICE"):
+            emulate(float(os.environ["HETCCL_EMULATED_DEVICE"]))
     return _emulated
 
 

@@ -124,9 +124,10 @@ class Topology:
         """The border rank of ``lane`` in every island, in island order."""
         return [island.ranks[lane] for island in self.islands]
 
-    def island_major_order(self) -> list[int]:
+    @functools.cached_property
+    def island_major_order(self) -> tuple[int, ...]:
         """Group ranks listed island by island: the layout plans use for per-rank chunks."""
-        return [rank for island in self.islands for rank in island.ranks]
+        return tuple(rank for island in self.islands for rank in island.ranks)
 
     def regions(self, chunk: int) -> list[tuple[int, int]]:
         """(offset, length) of each island's chunks in an island-major buffer of one chunk per rank."""

@@ -56,7 +56,7 @@ def _allreduce(ctx, row, op):
 
 
 def _island_major(topo: Topology, rows: np.ndarray) -> np.ndarray:
-    return np.concatenate([rows[r] for r in topo.island_major_order()])
+    return np.concatenate([rows[r] for r in topo.island_major_order])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -86,7 +86,7 @@ def test_allgather(layout, chunk, piece_bytes):
     world = len(islands)
     topo = Topology.from_islands(islands)
     data = inputs(world, chunk, seed=2)
-    order = topo.island_major_order()
+    order = topo.island_major_order
 
     def body(ctx):
         buf = torch.zeros(world * chunk, dtype=torch.float64)

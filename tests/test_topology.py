@@ -27,7 +27,7 @@ def test_interleaved_unequal():
     topo = Topology.from_islands(["x", "y", "x", "z", "y", "x"])
     assert [(i.name, i.ranks) for i in topo.islands] == [("x", (0, 2, 5)), ("y", (1, 4)), ("z", (3,))]
     assert topo.lanes == 1
-    assert topo.island_major_order() == [0, 2, 5, 1, 4, 3]
+    assert topo.island_major_order == (0, 2, 5, 1, 4, 3)
     assert topo.lane_peers(0) == [0, 1, 3]
     assert [topo.lane_of(r) for r in range(6)] == [0, 0, None, 0, None, None]
     assert topo.local_rank(5) == 2

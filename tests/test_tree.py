@@ -99,7 +99,7 @@ def test_allgather_and_reducescatter(layout, n):
     chunks = [rng.integers(0, 9, (world, n)).astype(np.float32) for _ in range(world)]  # rank r's inputs
 
     def body(ctx, seq):
-        order = ctx.topo.island_major_order()
+        order = ctx.topo.island_major_order
         gathered = torch.zeros(world * n)
         slot = order.index(ctx.rank)
         gathered[slot * n:(slot + 1) * n] = torch.tensor(chunks[ctx.rank][0])

@@ -44,6 +44,10 @@ class Call:
         reduce = REDUCE_OPS.index(self.reduce) + 1 if self.reduce else 0
         return [OP_CODES[self.op], self.seq, dtype_code(self.dtype), self.numel, self.root, reduce, self.device]
 
+    def numbered(self, seq: int, device: int) -> "Call":
+        """This call as the group runs it: its sequence number and device class filled in."""
+        return Call(self.op, self.dtype, self.numel, self.root, self.reduce, seq, device)
+
     def tag(self) -> Tag:
         """The tag of this call's border messages (checked on receipt)."""
         return Tag(OP_CODES[self.op], self.seq, dtype_code(self.dtype))

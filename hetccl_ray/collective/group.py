@@ -8,13 +8,13 @@ no plan to choose, is posted straight over the border under the same state (:met
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import ray
@@ -56,6 +56,9 @@ def _pinned(cls: type, **fields: Any) -> Any:
     for name, value in fields.items():
         setattr(options, name, value)
     return options
+
+
+_HOST_ONLY = contextlib.nullcontext()  # host buffers: no stream to make current
 
 
 class HetCCLGroup(BaseGroup):
@@ -142,7 +145,7 @@ class HetCCLGroup(BaseGroup):
         """Shared memory where every rank shares this host, else Gloo, over every rank ranked
         in island-major order (the layout of per-rank chunks), so that its one-island plans
         run on the group's buffers as they are."""
-        order = self.topology.island_major_order()  # the library's ranks, by their group rank
+        order = self.topology.island_major_order  # the library's ranks, by their group rank
         rank = order.index(self.rank)
         shared = (shm.ShmLibrary.create(self._store_of("shm"), rank, self.world_size, ROW_WIDTH + 2 * self.world_size,
                                         self.options.timeout_s, self.border.gone, order)
@@ -278,28 +281,32 @@ class HetCCLGroup(BaseGroup):
                 self._progress.start(seq)
             else:
                 seq = self._next_p2p_seq(call.op, peer)
-            call = replace(call, device=device.code, seq=seq)
-            where = f"{call.op} #{seq} in group '{self.group_name}' on rank {self.rank}"
+            call = call.numbered(seq, device.code)
             before_bytes = self.border.bytes_sent
-            caller, stream = device.current_stream(), self._stream_of(device)
-            if stream is not None:
+            caller = stream = None
+            if not device.host:
+                caller, stream = device.current_stream(), self._stream_of(device)
                 stream.wait(caller.record())
             ctx = PlanContext(self.topology, self.rank, plans.LazyIsland(lambda: self._island_for(device)),
                               self.border, call.tag(), time.monotonic() + self.options.timeout_s, self._scratch,
                               self._pipeline, self.options.piece_bytes, self.border.default, device, stream,
                               shared=self._shared, routed=self._routed)
             try:
-                with device.using(stream):
+                with device.using(stream) if stream is not None else _HOST_ONLY:
                     problem = self._dispatch(ctx, call, body, peer, check, staged, before, after, ahead)
             except (HetCCLError, RuntimeError) as exc:
-                raise self._break(exc, where, seq, peer) from exc
+                raise self._break(exc, self._where(call), seq, peer) from exc
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before_bytes
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
                 if stream is not None:
                     caller.wait(stream.record())
             if problem is not None:  # every rank saw every call and no user buffer changed: still usable
-                raise HetCCLMismatchError(f"{where}: mismatched call: {problem}")
+                raise HetCCLMismatchError(f"{self._where(call)}: mismatched call: {problem}")
+
+    def _where(self, call: Call) -> str:
+        """The op of an error: what, which call, which group and rank."""
+        return f"{call.op} #{call.seq} in group '{self.group_name}' on rank {self.rank}"
 
     def _break(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
         """With the lock held: the group is broken by ``exc`` (the first failure stays) and its
@@ -339,7 +346,7 @@ class HetCCLGroup(BaseGroup):
             if check is not None or self.options.check_calls or body is None:
                 problem = (check or tree.check)(ctx, call)
             if problem is None and body is not None and call.numel:
-                if small and self.plan_of(call.op, self._whole_bytes(call), ctx.every_rank_on_host()) == planner.FLAT:
+                if plan == planner.FLAT and ctx.every_rank_on_host():  # the rows show CPU tensors on every rank
                     ctx.flat = self._flat
                 body(ctx)
         if problem is None and after is not None:
@@ -440,7 +447,7 @@ class HetCCLGroup(BaseGroup):
         x = Operand(self.args.one(tensor, "allgather input"), moving=True)
         outputs = self.args.per_rank_list(tensor_list, "allgather output tensor_list", moving=True)
         same_kind(x.flat, [o.flat for o in outputs], "allgather output tensor_list")
-        n, order = x.numel, self.topology.island_major_order()
+        n, order = x.numel, self.topology.island_major_order
         buf = self._scratch.get("allgather", n * self.world_size, x.flat)
         mine = order.index(self.rank)
 
@@ -458,7 +465,7 @@ class HetCCLGroup(BaseGroup):
         inputs = self.args.per_rank_list(tensor_list, "reducescatter input tensor_list")
         same_kind(out.flat, [i.flat for i in inputs], "reducescatter input tensor_list")
         op = self.args.reduce_op(reducescatter_options)
-        n, order = out.numel, self.topology.island_major_order()
+        n, order = out.numel, self.topology.island_major_order
         buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
 
         def lay_out() -> None:
@@ -505,7 +512,7 @@ class HetCCLGroup(BaseGroup):
                                    f"but expects {mine[1]} from it")
         self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0],
                   lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs, agreed["ahead"]), check=check,
-                  after=after, ahead=[inputs[t] for t in self.topology.island_major_order()])
+                  after=after, ahead=[inputs[t] for t in self.topology.island_major_order])
 
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the
@@ -600,8 +607,8 @@ class HetCCLGroup(BaseGroup):
         with self._lock:
             self._raise_if_broken()
             seq = self._next_p2p_seq(op, peer, tag)
-            where = (f"{op} #{seq & 0xFFFFFFFF}{f' (tag {tag})' if tag else ''} in group '{self.group_name}' "
-                     f"on rank {self.rank}")
+            where = lambda: (f"{op} #{seq & 0xFFFFFFFF}{f' (tag {tag})' if tag else ''} in group "  # noqa: E731
+                             f"'{self.group_name}' on rank {self.rank}")  # only an error names it
             mark = Call(op, x.flat.dtype, x.numel, seq=seq).tag()
             flexible = op == "recv" and plans.by_socket(self._shared, self._routed, peer)
             try:
@@ -609,7 +616,7 @@ class HetCCLGroup(BaseGroup):
                           self.border.default.irecv(peer, x.flat, mark, flexible=True) if flexible else
                           self.border.irecv(peer, x.flat, mark))
             except (HetCCLError, RuntimeError) as exc:
-                raise self._break(exc, where, seq, peer) from exc
+                raise self._break(exc, where(), seq, peer) from exc
             self.last_op_bytes_sent = x.flat.nbytes if op == "send" else 0
             self._sent_by_op[op] += self.last_op_bytes_sent
         deadline = time.monotonic() + self.options.timeout_s
@@ -622,7 +629,7 @@ class HetCCLGroup(BaseGroup):
                     raise mismatch(self.rank, mark, x.flat.nbytes, peer, mark, landed[1])
             except (HetCCLError, RuntimeError) as exc:
                 with self._lock:
-                    broken = self._break(exc, where, seq, peer)
+                    broken = self._break(exc, where(), seq, peer)
                 raise broken from exc
             x.write_back()
 

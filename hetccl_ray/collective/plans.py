@@ -53,9 +53,7 @@ def plan_for(ctx: PlanContext, op: str, buf: torch.Tensor, root: int = 0) -> sch
     """This rank's (cached) plan of ``op`` over ``buf``, in the context's pieces; the flat
     plan (one island of every rank, in island-major order) where the planner chose it."""
     if ctx.flat is not None:
-        order = ctx.topo.island_major_order()
-        return schedule.build(schedule.flat_topology(len(order)), order.index(ctx.rank), op, buf.numel(),
-                              order.index(root))
+        return schedule.flat(ctx.topo, ctx.rank, op, buf.numel(), root)
     largest = schedule.largest_region(ctx.topo, op, buf.numel()) * buf.element_size()
     return schedule.build(ctx.topo, ctx.rank, op, buf.numel(), root, ctx.pieces(largest))
 
@@ -135,7 +133,7 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     overlaps the island stages."""
     me = ctx.rank
     if shm_alltoall(ctx, counts, inputs[me].element_size()):
-        order = ctx.topo.island_major_order()
+        order = ctx.topo.island_major_order
         ctx.shared.alltoall([outputs[r] for r in order], [inputs[t] for t in order],
                             [[counts[r][t] for t in order] for r in order])
         return

@@ -70,7 +70,7 @@ class _Builder:
         self.others = [j for j in range(len(self.leaders)) if j != self.me]
         self.home = topo.island_of(root).index
         self.chunk = n // topo.world_size
-        self.slot = {r: i for i, r in enumerate(topo.island_major_order())}
+        self.slot = {r: i for i, r in enumerate(topo.island_major_order)}
 
     def round(self, op: str, up: Optional[Ref], up_n: dict[int, int], across: dict[int, Optional[Ref]],
               across_n: dict[int, int], down: dict[int, Optional[Ref]], down_n: int,

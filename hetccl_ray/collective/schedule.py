@@ -350,10 +350,12 @@ def two_hop_broadcast(topo: Topology, rank: int, n: int, root: int) -> Plan:
     return Plan("broadcast", rank, n, (Piece(across=steps),))
 
 
-@functools.lru_cache(maxsize=64)
-def flat_topology(world: int) -> Topology:
-    """One island of ``world`` ranks: the layout of the flat plan (a library over every rank)."""
-    return Topology.from_islands(["flat"] * world)
+@functools.lru_cache(maxsize=256)
+def flat(topo: Topology, rank: int, op: str, n: int, root: int = 0) -> Plan:
+    """Rank ``rank``'s flat plan of ``op``: a library over every rank, one island of them in
+    ``topo``'s island-major order."""
+    order = topo.island_major_order
+    return build(Topology.from_islands(["flat"] * len(order)), order.index(rank), op, n, order.index(root))
 
 
 def bound(topo: Topology, op: str, nbytes: int) -> int:

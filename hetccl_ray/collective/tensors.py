@@ -64,7 +64,7 @@ class Operand:
         else:  # the copy is device work on the caller's stream, before the op's entry event
             self.contiguous = torch.empty(self.view.shape, dtype=self.view.dtype, device=self.view.device)
             devices.of(self.view).launch(None, self.contiguous.copy_, self.view)
-        self.flat = self.contiguous.reshape(-1)
+        self.flat = self.contiguous if self.contiguous.dim() == 1 else self.contiguous.reshape(-1)
         if self.flat.dtype not in SUPPORTED_DTYPES:  # moved as bytes: every rank sees the same count
             self.flat = self.flat.view(torch.uint8)
 
