@@ -68,10 +68,14 @@ def _combine(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
 
 
 def overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """Whether any contiguous tensor of ``a`` shares a byte with one of ``b``."""
+    """Whether any contiguous tensor of ``a`` shares a byte with one of ``b`` (told from the
+    address ranges they span where those are apart: blocks of two buffers, every call)."""
     spans = [(t.device, t.data_ptr(), t.data_ptr() + t.nbytes) for t in b if t.numel()]
-    return any(x.device == device and x.data_ptr() < end and start < x.data_ptr() + x.nbytes
-               for x in a if x.numel() for device, start, end in spans)
+    mine = [(x.device, x.data_ptr(), x.data_ptr() + x.nbytes) for x in a if x.numel()]
+    if not spans or not mine or min(s for _, s, _ in mine) >= max(e for _, _, e in spans) or \
+            min(s for _, s, _ in spans) >= max(e for _, _, e in mine):
+        return False
+    return any(dx == device and sx < end and start < ex for dx, sx, ex in mine for device, start, end in spans)
 
 
 def view(buf: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:

@@ -149,6 +149,8 @@ def _span(span: Span) -> str:
 
 def piece_of(span: Span, q: int, count: int) -> Span:
     """Piece ``q`` of ``count`` of ``span``."""
+    if count == 1:
+        return span
     offset, length = span
     part_offset, part_length = split(length, count)[q]
     return offset + part_offset, part_length

@@ -112,7 +112,7 @@ def _byte_view(buf: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if not buf.numel():
         return memoryview(bytearray())
-    return memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+    return memoryview((buf if buf.dim() == 1 else buf.reshape(-1)).view(torch.uint8).numpy())
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
