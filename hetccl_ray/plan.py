@@ -49,7 +49,8 @@ def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int =
     small = [rounds.build(topo, r, op, n, root) for r in range(world)] if op in rounds.OPS else []
     if small:
         lines.append(f"small round (3 hops, call rows inside): border bytes "
-                     f"{sum(sum(r.sent(topo).values()) for r in small) * itemsize:,}")
+                     f"{sum(sum(r.sent(topo).values()) for r in small) * itemsize:,}; in one hop "
+                     f"{rounds.one_hop_bytes(topo, op, size, root):,}")
     if steps:
         for p in (*plans, *small):
             lines += p.describe()

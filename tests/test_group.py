@@ -55,12 +55,14 @@ def actors():
     picks = [actors[island][i] for island, i in LAYOUTS["three"]]  # the same ranks, pipelined in small pieces
     hetccl_ray.create_collective_group(picks, len(picks), list(range(len(picks))), group_name="pieces",
                                        timeout_s=60, small_bytes=SMALL_BYTES, piece_bytes=4096, flat="off")
+    hetccl_ray.create_collective_group(picks, len(picks), list(range(len(picks))), group_name="one-hop",
+                                       timeout_s=60, small_bytes=SMALL_BYTES, flat="off", one_hop="on")
     yield actors
     test_cluster.stop(cluster)
 
 
 def members(actors, name):
-    return [actors[island][i] for island, i in LAYOUTS["three" if name == "pieces" else name]]
+    return [actors[island][i] for island, i in LAYOUTS["three" if name in ("pieces", "one-hop") else name]]
 
 
 def on_all(actors, name, fn, *args):
@@ -322,6 +324,69 @@ def test_alltoall_mismatched_splits_named_on_every_rank(actors, name):
         assert error is not None and "alltoall #" in error, (rank, error)
         assert f"rank {world - 1} sends 5 elements to rank 0, which expects 6" in error, (rank, error)
         np.testing.assert_array_equal(after, np.array([float(r * 10 + rank) for r in range(world) for _ in range(3)]))
+
+
+def _one_hop_ops(name, rank, world):
+    out = {}
+    x = torch.tensor(values(rank, 33, 1))
+    col.allreduce(x, group_name=name)
+    out["allreduce"] = ([x.numpy()], _last_bytes(name))
+    for root in (0, world - 1):
+        b, r = torch.tensor(values(rank, 33, 2)), torch.tensor(values(rank, 33, 3))
+        col.broadcast(b, src_rank=root, group_name=name)
+        out["broadcast", root] = ([b.numpy()], _last_bytes(name))
+        col.reduce(r, dst_rank=root, group_name=name)
+        out["reduce", root] = ([r.numpy()], _last_bytes(name))
+    gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
+    col.allgather(gathered, torch.tensor(values(rank, 5, 4)), group_name=name)
+    out["allgather"] = ([g.numpy() for g in gathered], _last_bytes(name))
+    scattered = torch.zeros(5, dtype=torch.float64)
+    col.reducescatter(scattered, [torch.tensor(values(rank * world + t, 5, 5)) for t in range(world)], group_name=name)
+    out["reducescatter"] = ([scattered.numpy()], _last_bytes(name))
+    blocks = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+    hetccl_ray.alltoall([torch.full((3,), float(rank * 10 + t), dtype=torch.float64) for t in range(world)], blocks,
+                        group_name=name)
+    out["alltoall"] = ([t.numpy() for t in blocks], _last_bytes(name))
+    try:  # rank 0 calls another op: named on every rank, and the group goes on
+        odd = torch.zeros(7)
+        col.allreduce(odd, group_name=name) if rank == 0 else col.broadcast(odd, src_rank=0, group_name=name)
+        out["mismatch"] = None
+    except hetccl_ray.HetCCLMismatchError as exc:
+        out["mismatch"] = str(exc)
+    col.barrier(group_name=name)
+    return out, hetccl_ray.get_group(name).planner.one_hop
+
+
+def test_rounds_and_checks_in_one_hop(actors):
+    """A group whose small rounds and checks go in one hop (one_hop="on"): every op against
+    numpy, border bytes the one-hop round's, a rank that called another op named on every rank."""
+    from hetccl_ray.collective import rounds
+    from hetccl_ray.topology import Topology
+
+    results = on_all(actors, "one-hop", _one_hop_ops)
+    islands = [island for island, _ in LAYOUTS["three"]]
+    topo, world = Topology.from_islands(islands), len(islands)
+    assert all(one_hop for _, one_hop in results)
+    want = {"allreduce": [np.sum([values(r, 33, 1) for r in range(world)], axis=0)]}
+    for root in (0, world - 1):
+        want["broadcast", root] = [values(root, 33, 2)]
+        want["reduce", root] = [np.sum([values(r, 33, 3) for r in range(world)], axis=0)]
+    for rank, (got, _) in enumerate(results):
+        for key, expect in want.items():
+            if key[0] != "reduce" or key[1] == rank:
+                np.testing.assert_array_equal(np.stack(got[key][0]), np.stack(expect), err_msg=f"{key} rank {rank}")
+        np.testing.assert_array_equal(np.stack(got["allgather"][0]), np.stack([values(r, 5, 4) for r in range(world)]))
+        np.testing.assert_array_equal(got["reducescatter"][0][0],
+                                      np.sum([values(r * world + rank, 5, 5) for r in range(world)], axis=0))
+        np.testing.assert_array_equal(np.stack(got["alltoall"][0]),
+                                      np.stack([np.full(3, r * 10.0 + rank) for r in range(world)]))
+        assert got["mismatch"] is not None and "ranks [0] called allreduce" in got["mismatch"], (rank, got["mismatch"])
+    for key in ["allreduce", "allgather", "reducescatter", *[k for k in want if k != "allreduce"]]:
+        op, root = (key, 0) if isinstance(key, str) else key
+        nbytes = 33 * 8 if op in ("allreduce", "broadcast", "reduce") else world * 5 * 8
+        assert sum(got[key][1] for got, _ in results) == rounds.one_hop_bytes(topo, op, nbytes, root), key
+    crossing = sum(3 * 8 for r in range(world) for t in range(world) if islands[r] != islands[t])
+    assert sum(got["alltoall"][1] for got, _ in results) == crossing  # blocks straight, once; rows carry no data
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

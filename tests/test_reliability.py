@@ -266,13 +266,15 @@ def _destroy(name):
     return _hetccl_threads()
 
 
-@pytest.mark.parametrize("flat", ["off", "auto"])  # the border's sockets, or one host's shared memory
-def test_dead_peer_fails_the_others_and_the_group_is_recreated(env, flat):
+# the border's sockets (the check in three hops, or in one), or one host's shared memory
+@pytest.mark.parametrize("flat, one_hop", [("off", "off"), ("off", "on"), ("auto", "auto")])
+def test_dead_peer_fails_the_others_and_the_group_is_recreated(env, flat, one_hop):
     cluster, actors = env
     survivors = [actors["a"][3], actors["b"][3]]
     victim = cluster.workers(["b"])[0]
-    group, name = survivors + [victim], f"mortal-{flat}"
-    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name=name, timeout_s=20, flat=flat)
+    group, name = survivors + [victim], f"mortal-{flat}-{one_hop}"
+    hetccl_ray.create_collective_group(group, 3, [0, 1, 2], group_name=name, timeout_s=20, flat=flat,
+                                       one_hop=one_hop)
     victim.call.remote(_block_forever, name, 2)
     refs = [a.call.remote(_allreduce_expecting_failure, name, r) for r, a in enumerate(survivors)]
     time.sleep(3)
@@ -284,7 +286,9 @@ def test_dead_peer_fails_the_others_and_the_group_is_recreated(env, flat):
         assert f"allreduce #2 in group '{name}'" in message, message
         assert "ranks that did not arrive: [2]" in message, message
         assert "is broken by an earlier failure" in later and "allreduce #2" in later, later
-    if flat == "off":
+    if one_hop == "on":  # each survivor waits for the dead rank's own message
+        assert all(f"rank {r} <-> rank 2 failed" in message for r, (message, _, _) in enumerate(results)), results
+    elif flat == "off":
         assert "connection closed by peer" in results[1][0].lower()    # rank 1 shares the dead rank's island
         assert "rank 0 <-> rank 1 failed" in results[0][0]              # rank 0 hears it from its lane peer
     else:  # every rank waits for the dead one in shared memory, and sees its link closed

@@ -131,24 +131,26 @@ def test_explain_an_alltoall(capsys):
 
 # -- the small round as data (rounds.py) -----------------------------------------------------------
 
-def _rounds(topo: Topology, op: str, n: int, root: int) -> list:
-    return [rounds.build(topo, r, op, n, root) for r in range(topo.world_size)]
+def _rounds(topo: Topology, op: str, n: int, root: int, one_hop: bool = False) -> list:
+    return [rounds.build(topo, r, op, n, root, one_hop) for r in range(topo.world_size)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("op", rounds.OPS)
 @pytest.mark.parametrize("chunk", [0, 1, 7])
-def test_round_bytes_and_messages(layout, op, chunk):
+@pytest.mark.parametrize("one_hop", [False, True])
+def test_round_bytes_and_messages(layout, op, chunk, one_hop):
     """Border bytes equal what the round promises; in each phase rank a's message to b is one b
     receives from a, of the same length; every op has the rows-only round's messages (a rank
     that called another op still meets its peers); every span lies inside its buffer."""
     topo = Topology.from_islands(LAYOUTS[layout])
     n = _count(topo, op, chunk)
-    check = _rounds(topo, "check", 0, 0)
+    check = _rounds(topo, "check", 0, 0, one_hop)
     for root in (range(topo.world_size) if op in schedule.ROOTED else [0]):
-        built = _rounds(topo, op, n, root)
-        assert sum(sum(r.sent(topo).values()) for r in built) * 4 == schedule.round_bytes(topo, op, n * 4), (op, root)
-        for phase in range(3):
+        built = _rounds(topo, op, n, root, one_hop)
+        promised = (rounds.one_hop_bytes(topo, op, n * 4, root) if one_hop else schedule.round_bytes(topo, op, n * 4))
+        assert sum(sum(r.sent(topo).values()) for r in built) * 4 == promised, (op, root)
+        for phase in range(1 if one_hop else 3):
             steps = [(r.rank, r.pieces[0].across[phase]) for r in built]
             assert all(step.rows for _, step in steps)
             sent = {(rank, m.peer): m.span[1] for rank, step in steps for m in step.sends}

@@ -1,7 +1,7 @@
 """The small-message round (tree.py) alone: ranks are threads of this process, the border is
 the real TCP border over loopback sockets (the island is not used by the round). Every op
-against numpy, on every layout; mismatched calls named on every rank with no buffer
-touched; the counters against the bytes the round promises."""
+against numpy, on every layout, in three hops and in one; mismatched calls named on every
+rank with no buffer touched; the counters against the bytes the round promises."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetccl_ray.collective import tree
+from hetccl_ray.collective import rounds, schedule, tree
 from hetccl_ray.collective.calls import Call
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology
@@ -22,24 +22,32 @@ LAYOUTS = {"2+2": ["a", "a", "b", "b"], "1+2+3 interleaved": ["a", "b", "a", "c"
 SEQ = iter(range(1, 1 << 30))
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=[(name, one_hop) for name in LAYOUTS for one_hop in (False, True)],
+                ids=lambda p: f"{p[0]}{', one hop' if p[1] else ''}")
 def layout(request):
-    """A layout and one real TCP border per rank, all connected."""
-    islands = LAYOUTS[request.param]
+    """A layout, one real TCP border per rank, all connected, and whether rounds go in one hop."""
+    name, one_hop = request.param
+    islands = LAYOUTS[name]
     topo = Topology.from_islands(islands)
     borders = loopback_borders(topo)
-    yield islands, topo, borders
+    yield islands, topo, borders, one_hop
     for border in borders:
         border.close()
 
 
+def _promised(layout, op: str, nbytes: int, root: int = 0) -> int:
+    """The border bytes the round promises (nbytes: the whole buffer)."""
+    _, topo, _, one_hop = layout
+    return rounds.one_hop_bytes(topo, op, nbytes, root) if one_hop else schedule.round_bytes(topo, op, nbytes)
+
+
 def _run(layout, body):
-    islands, topo, borders = layout
+    islands, topo, borders, one_hop = layout
     seq = next(SEQ)
     before = [b.bytes_sent for b in borders]
 
     def each(ctx):
-        ctx.direct = ctx.border
+        ctx.direct, ctx.one_hop = ctx.border, one_hop
         return body(ctx, seq)
 
     results, _ = run_ranks(islands, each, borders=borders)
@@ -65,11 +73,10 @@ def test_allreduce(layout, n, dtype, op):
 
     results, sent, topo = _run(layout, body)
     expect = np.sum(inputs, axis=0) if op == "sum" else np.max(inputs, axis=0)
-    k = len(topo.islands)
     for problem, got in results:
         assert problem is None
         np.testing.assert_array_equal(got, expect)
-    assert sent == k * (k - 1) * n * torch.tensor([], dtype=dtype).element_size()
+    assert sent == _promised(layout, "allreduce", n * torch.tensor([], dtype=dtype).element_size())
 
 
 @pytest.mark.parametrize("n", [0, 5, 1031])
@@ -89,7 +96,7 @@ def test_broadcast_and_reduce_from_every_root(layout, n):
             assert p1 is None and p2 is None
             np.testing.assert_array_equal(b, inputs[root])
             np.testing.assert_array_equal(r, np.sum(inputs, axis=0) if rank == root else inputs[rank])
-        assert sent == 2 * (len(topo.islands) - 1) * n * 8  # (k-1)S each
+        assert sent == _promised(layout, "broadcast", n * 8, root) + _promised(layout, "reduce", n * 8, root)
 
 
 @pytest.mark.parametrize("n", [0, 3, 257])
@@ -116,7 +123,7 @@ def test_allgather_and_reducescatter(layout, n):
         assert p1 is None and p2 is None
         np.testing.assert_array_equal(gathered, np.stack([chunks[r][0] for r in range(world)]))
         np.testing.assert_array_equal(out, np.sum([chunks[r][rank] for r in range(world)], axis=0))
-    assert sent == 2 * (len(topo.islands) - 1) * world * n * 4  # (k-1)S each, S = all chunks
+    assert sent == _promised(layout, "allgather", world * n * 4) + _promised(layout, "reducescatter", world * n * 4)
 
 
 def test_a_mismatch_is_named_on_every_rank_and_touches_no_buffer(layout):

@@ -116,7 +116,7 @@ class HetCCLGroup(BaseGroup):
             self.planner = planner.shared_memory(self.topology)
             return
         self.planner = planner.Planner(self.topology)
-        planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
+        planner.calibrate(self.planner, self.options.small_bytes, self.options.flat, self.options.one_hop,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
                           lambda t: devices.synchronize(t, self.options.timeout_s),
@@ -290,7 +290,7 @@ class HetCCLGroup(BaseGroup):
             ctx = PlanContext(self.topology, self.rank, plans.LazyIsland(lambda: self._island_for(device)),
                               self.border, call.tag(), time.monotonic() + self.options.timeout_s, self._scratch,
                               self._pipeline, self.options.piece_bytes, self.border.default, device, stream,
-                              shared=self._shared, routed=self._routed)
+                              shared=self._shared, routed=self._routed, one_hop=self.planner.one_hop)
             try:
                 with device.using(stream) if stream is not None else _HOST_ONLY:
                     problem = self._dispatch(ctx, call, body, peer, check, staged, before, after, ahead)

@@ -46,6 +46,10 @@ class GroupOptions:
         "auto" (where the cost model measured at formation says it is faster than the
         hierarchical plan: one host, a fast network), "on" (every call above the small
         round's size) or "off" (``HETCCL_FLAT``).
+    one_hop: the small round and the call check in one hop, every rank to every rank (rounds.py),
+        instead of three through the island leaders: "auto" (where formation's timed checks
+        say it is faster: a slow network; three hops where ``small_bytes`` is given), "on" or
+        "off" (``HETCCL_ONE_HOP``).
     compress: lossless compression of float payloads to other islands over TCP: "auto"
         (each link compresses when its measured rate and the codec's speed and ratio say it
         saves time), "on" or "off" (``HETCCL_COMPRESS``; compress/policy.py).
@@ -67,6 +71,7 @@ class GroupOptions:
                                        if os.environ.get("HETCCL_SMALL_BYTES") else None)
     compress: str = field(default_factory=lambda: os.environ.get("HETCCL_COMPRESS") or "auto")
     flat: str = field(default_factory=lambda: os.environ.get("HETCCL_FLAT") or "auto")
+    one_hop: str = field(default_factory=lambda: os.environ.get("HETCCL_ONE_HOP") or "auto")
     same_host: bool = field(default_factory=lambda: os.environ.get("HETCCL_SAME_HOST", "1") != "0")
 
     def __post_init__(self) -> None:
@@ -82,8 +87,9 @@ class GroupOptions:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.compress not in COMPRESS_MODES:
             raise ValueError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
-        if self.flat not in FLAT_MODES:
-            raise ValueError(f"flat must be one of {FLAT_MODES}, got {self.flat!r}")
+        for name in ("flat", "one_hop"):
+            if getattr(self, name) not in FLAT_MODES:
+                raise ValueError(f"{name} must be one of {FLAT_MODES}, got {getattr(self, name)!r}")
         self.islands = {int(rank): str(name) for rank, name in self.islands.items()}
 
     def to_json(self) -> bytes:

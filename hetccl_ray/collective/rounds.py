@@ -17,6 +17,13 @@ no torch, no Ray.
 
 Border bytes (all ranks together; S the buffer, k islands): allgather, reducescatter,
 broadcast, reduce (k-1)S; allreduce k(k-1)S (each island's partial to every other leader).
+
+Where a hop of the border costs more than a message (a slow network: calibration races the
+two, planner.py), a group takes the round in one hop instead (``one_hop``): every rank sends
+every other rank one message, its rows and the data that rank needs, and folds (in rank
+order) or places what it gets. Every op's and the check's messages are then that pattern,
+so a rank that called something else is still named on every rank; more bytes cross islands
+(``one_hop_bytes``), which below the round's threshold costs less than two hops.
 """
 
 from __future__ import annotations
@@ -35,17 +42,28 @@ def slot(phase: str, peer: int) -> str:
     return f"{phase}:{peer}"
 
 
-def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0) -> Plan:
+def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0, one_hop: bool = False) -> Plan:
     """Rank ``rank``'s round of ``op`` over ``n`` elements (allgather/reducescatter: the whole
-    island-major buffer); ``check`` moves rows only. Cached per call pattern."""
+    island-major buffer); ``check`` moves rows only; ``one_hop``: the round in one hop. Cached
+    per call pattern."""
     if op not in OPS and op != "check":
         raise ValueError(f"no round for {op!r}; ops: {', '.join(OPS)}")
-    return _build(topo, rank, op, n, root if op in ("broadcast", "reduce") else 0)
+    return _build(topo, rank, op, n, root if op in ("broadcast", "reduce") else 0, one_hop)
 
 
 @functools.lru_cache(maxsize=512)
-def _build(topo: Topology, rank: int, op: str, n: int, root: int) -> Plan:
-    return getattr(_Builder(topo, rank, n, root), op)()
+def _build(topo: Topology, rank: int, op: str, n: int, root: int, one_hop: bool) -> Plan:
+    return getattr((_OneHop if one_hop else _Builder)(topo, rank, n, root), op)()
+
+
+def one_hop_bytes(topo: Topology, op: str, nbytes: int, root: int = 0) -> int:
+    """Border bytes of the one-hop round (all ranks together): every rank's data to every rank
+    of another island that needs it (S the buffer: allgather's output, reducescatter's input)."""
+    n, home = topo.world_size, topo.island_of(root).size
+    crossing = n * n - sum(island.size ** 2 for island in topo.islands)  # ordered pairs across islands
+    if op in ("broadcast", "reduce"):
+        return (n - home) * nbytes
+    return crossing * nbytes // (1 if op == "allreduce" else n)
 
 
 def _whole(name: str, n: int) -> Ref:
@@ -172,3 +190,63 @@ class _Builder:
                           ((self._island_partial(n),),
                            (Land(_whole("total", own), self._ordered(("partial", *regions[self.me])), True),)),
                           (self._result(_whole("out", c), ("total", 0, c)),), (("partial", n), ("total", own)))
+
+
+class _OneHop:
+    """The round in one hop: to every other rank one message (rows only where it needs no data)."""
+
+    def __init__(self, topo: Topology, rank: int, n: int, root: int) -> None:
+        self.rank, self.n, self.root, self.world = rank, n, root, topo.world_size
+        self.peers = [p for p in range(self.world) if p != rank]
+        self.chunk = n // self.world
+        self.slot = {r: i for i, r in enumerate(topo.island_major_order)}
+
+    def round(self, op: str, sends: dict[int, Ref], recv_n: dict[int, int], lands: tuple[Land, ...] = (),
+              finish: tuple[Land, ...] = (), scratch: tuple[tuple[str, int], ...] = ()) -> Plan:
+        step = _phase("one", [(p, sends.get(p)) for p in self.peers], [(p, recv_n.get(p, 0)) for p in self.peers],
+                      lands)
+        return Plan(op, self.rank, self.n, (Piece(across=(step,)),), finish=finish, scratch=scratch)
+
+    def _folded(self, own: Ref, n: int) -> Land:
+        """Every rank's ``n`` elements (this rank's ``own``) folded in rank order into ``total``."""
+        return Land(_whole("total", n), tuple(own if r == self.rank else _whole(slot("one", r), n)
+                                              for r in range(self.world)), fold=True)
+
+    def check(self) -> Plan:
+        return self.round("check", {}, {})
+
+    def broadcast(self) -> Plan:
+        n = self.n
+        if self.rank == self.root:
+            return self.round("broadcast", dict.fromkeys(self.peers, _whole("buf", n)), {})
+        return self.round("broadcast", {}, {self.root: n}, finish=(Land(_whole("buf", n),
+                                                                        (_whole(slot("one", self.root), n),)),))
+
+    def allreduce(self) -> Plan:
+        n = self.n
+        return self.round("allreduce", dict.fromkeys(self.peers, _whole("buf", n)), dict.fromkeys(self.peers, n),
+                          (self._folded(_whole("buf", n), n),), (Land(_whole("buf", n), (_whole("total", n),)),),
+                          (("total", n),))
+
+    def reduce(self) -> Plan:
+        n = self.n
+        if self.rank != self.root:
+            return self.round("reduce", {self.root: _whole("buf", n)}, {})
+        return self.round("reduce", {}, dict.fromkeys(self.peers, n), (self._folded(_whole("buf", n), n),),
+                          (Land(_whole("buf", n), (_whole("total", n),)),), (("total", n),))
+
+    def allgather(self) -> Plan:
+        """``buf``: island-major, this rank's chunk filled; every chunk to every rank."""
+        n, c = self.n, self.chunk
+        placed = (Land(_whole("total", n), (_whole("buf", n),)),
+                  *(Land(("total", self.slot[p] * c, c), (_whole(slot("one", p), c),)) for p in self.peers))
+        return self.round("allgather", dict.fromkeys(self.peers, ("buf", self.slot[self.rank] * c, c)),
+                          dict.fromkeys(self.peers, c), placed, (Land(_whole("buf", n), (_whole("total", n),)),),
+                          (("total", n),))
+
+    def reducescatter(self) -> Plan:
+        """``buf``: island-major, one chunk per rank; each rank's chunk to it, folded into ``out``."""
+        c = self.chunk
+        return self.round("reducescatter", {p: ("buf", self.slot[p] * c, c) for p in self.peers},
+                          dict.fromkeys(self.peers, c), (self._folded(("buf", self.slot[self.rank] * c, c), c),),
+                          (Land(_whole("out", c), (_whole("total", c),)),), (("total", c),))

@@ -63,6 +63,7 @@ class PlanContext:
     flat: Optional[IslandComm] = None  # the library over every rank, when the planner chose the flat plan
     shared: Any = None  # every rank on one host: the shared-memory library (shm.py) checks calls and moves CPU data
     routed: frozenset[int] = frozenset()  # peers ``border`` reaches over a border of their own (RDMA), not ``direct``
+    one_hop: bool = False  # the group's small rounds and checks go in one hop (rounds.py), not three
 
     def __post_init__(self) -> None:
         self.vendor = self.island  # the island library itself; ``island`` launches on the stream

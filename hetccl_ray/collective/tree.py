@@ -1,4 +1,5 @@
-"""The small-message round, run: three hops up to the island leaders, across, back down.
+"""The small-message round, run: three hops up to the island leaders, across, back down (or
+one hop, every rank to every rank, in a group that takes it: rounds.py).
 
 Each op's round is a plan (rounds.py) run by the one runner (``runner.execute``), with an
 ``Agreement``: the rows its messages carry and the verdict. Every message also
@@ -44,10 +45,10 @@ def _unpack(raw: bytes) -> Rows:
     return rows
 
 
-def linked(topo, rank: int) -> list[int]:
+def linked(topo, rank: int, one_hop: bool = False) -> list[int]:
     """The peers ``rank`` sends a message of the round to: its leader, or a leader's members
-    and the other leaders."""
-    return [m.peer for step in rounds.build(topo, rank, "check").pieces[0].across for m in step.sends]
+    and the other leaders (every rank, in one hop)."""
+    return [m.peer for step in rounds.build(topo, rank, "check", one_hop=one_hop).pieces[0].across for m in step.sends]
 
 
 class Agreement:
@@ -126,7 +127,7 @@ def small(ctx, call: Call, buf: torch.Tensor, out: Optional[torch.Tensor] = None
     """``call``'s op as its round over ``buf`` (and reducescatter's ``out``). None when every
     rank made ``call`` (then the results are written), else who called what (no user buffer
     touched; what peers sent ahead drained)."""
-    plan = rounds.build(ctx.topo, ctx.rank, call.op, buf.numel(), call.root)
+    plan = rounds.build(ctx.topo, ctx.rank, call.op, buf.numel(), call.root, ctx.one_hop)
     return execute(ctx, plan, {BUF: buf} if out is None else {BUF: buf, "out": out}, call.reduce,
                    Agreement(ctx, call))
 
@@ -138,7 +139,7 @@ def check(ctx, call: Call, rows: Optional[Rows] = None, then: Optional[Callable[
     message to each peer is posted (what follows it on that link)."""
     rows = rows if rows is not None else {ctx.rank: call.encode()}
     if ctx.shared is None:
-        plan = rounds.build(ctx.topo, ctx.rank, "check")
+        plan = rounds.build(ctx.topo, ctx.rank, "check", one_hop=ctx.one_hop)
         return execute(ctx, plan, {BUF: _NO_DATA}, agreement=Agreement(ctx, call, rows, then))
     rows.update(ctx.shared.rows(rows[ctx.rank]))
     return _verdict(ctx, rows)
