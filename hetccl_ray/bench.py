@@ -493,6 +493,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=["gloo"], default=None, help="also run Ray's own backend, side by side")
     p.add_argument("--link-rate", default=None,
                    help="shape inter-island links (e.g. 1gbit): islands in their own network namespaces")
+    p.add_argument("--link-delay", default=None,
+                   help="with --link-rate, also delay every packet between islands this long each way (e.g. 1ms)")
     p.add_argument("--compress", default="auto",
                    help="border compression: auto, on or off; a comma list runs one hetccl group per mode")
     p.add_argument("--data", choices=DATA, default="fill",
@@ -589,11 +591,12 @@ def _bench_once(args: argparse.Namespace, spec: BenchSpec, islands: list[str], l
     elif link_rate:
         from hetccl_ray.shaped_cluster import ShapedCluster
 
-        cluster = ShapedCluster(islands, link_rate)
+        cluster = ShapedCluster(islands, link_rate, delay=args.link_delay)
     else:
         cluster = LocalCluster(islands)
     header = (f"# hetccl-bench  layout {args.layout}{' interleaved' if args.interleave else ''}  "
-              f"islands by rank {islands}  link {link_rate or 'unshaped'}  transport {args.transport}  "
+              f"islands by rank {islands}  link {link_rate or 'unshaped'}"
+              f"{f' delay {args.link_delay}' if link_rate and args.link_delay else ''}  transport {args.transport}  "
               f"type {spec.dtype}  data {spec.data}  compress {','.join(spec.compress)}  "
               f"warmup {spec.warmup}  iters {spec.iters}")
     if cluster is None:

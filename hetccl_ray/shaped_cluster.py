@@ -3,7 +3,8 @@
 Namespaces hang off one bridge through veth pairs; ``tc tbf`` shapes both directions of
 every veth, so traffic between islands goes at ``rate`` while traffic inside an island
 (one namespace) stays unshaped: the shape of a cluster whose cross-vendor links are slower
-than its intra-vendor ones. Needs root and iproute2 (``ip``, ``tc``). Only the processes
+than its intra-vendor ones; with ``delay``, ``tc netem`` also holds every packet that long
+each way (a border between buildings or regions). Needs root and iproute2 (``ip``, ``tc``). Only the processes
 it started are stopped (by process group), and its namespaces, veths and bridge are
 always removed. Traffic stays inside these namespaces and the bridge.
 
@@ -67,9 +68,10 @@ def _free_port(host: str) -> int:
 class ShapedCluster:
     """Context manager like :class:`~hetccl_ray.local_cluster.LocalCluster`, with shaped links."""
 
-    def __init__(self, islands: Sequence[str], rate: str, burst: str = "256kb", cpus_per_node: int = 1) -> None:
+    def __init__(self, islands: Sequence[str], rate: str, burst: str = "256kb", cpus_per_node: int = 1,
+                 delay: Optional[str] = None) -> None:
         self.islands = list(dict.fromkeys(islands))
-        self.rate, self.burst, self.cpus = rate, burst, cpus_per_node
+        self.rate, self.burst, self.cpus, self.delay = rate, burst, cpus_per_node, delay
         tag = (os.getpid() + 7919 * next(_STARTED)) % 100000  # names of one process's clusters differ too
         self.net = f"{SUBNET}.{tag % 250}"
         self.bridge = f"hcbr{tag}"
@@ -98,9 +100,12 @@ class ShapedCluster:
             _run(*inside, "ip", "link", "set", "lo", "up")
             _run(*inside, "ip", "addr", "add", f"{self.island_ip(i)}/24", "dev", "eth0")
             _run(*inside, "ip", "link", "set", "eth0", "up")
-            shape = ("root", "tbf", "rate", self.rate, "burst", self.burst, "latency", "10ms")
-            _run(*inside, "tc", "qdisc", "add", "dev", "eth0", *shape)    # leaving the island
-            _run("tc", "qdisc", "add", "dev", veth, *shape)                 # entering the island
+            for tc in ((*inside, "tc", "qdisc", "add", "dev", "eth0"),   # leaving the island
+                       ("tc", "qdisc", "add", "dev", veth)):                # entering the island
+                if self.delay:
+                    _run(*tc, "root", "handle", "1:", "netem", "delay", self.delay, "limit", "100000")
+                _run(*tc, *(("parent", "1:1", "handle", "10:") if self.delay else ("root",)),
+                     "tbf", "rate", self.rate, "burst", self.burst, "latency", "10ms")
 
     def _start(self, cmd: list[str], namespace: Optional[str] = None) -> None:
         env = {**os.environ, "RAY_AUTH_MODE": "disabled",

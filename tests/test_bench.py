@@ -98,6 +98,30 @@ def test_shaped_link_limits_the_border_and_cleans_up():
     assert not any(name in _namespaces() for name in names)
 
 
+def test_a_delayed_border_takes_the_round_in_one_hop():
+    """2 ms each way between islands (tc netem): formation's timed checks find one hop faster
+    than three and the group takes it; every value still right."""
+    try:
+        check_available()
+    except ShapedClusterUnavailable as why:
+        pytest.skip(f"needs root and iproute2 network namespaces: {why}")
+    islands = island_names([2, 2])
+    cluster = ShapedCluster(islands, "1gbit", delay="2ms")
+    try:
+        cluster.__enter__()
+    except RuntimeError as exc:
+        if "qdisc kind is unknown" in str(exc):
+            pytest.skip(f"needs the kernel's netem qdisc (sch_netem) to delay a link: {exc}")
+        raise
+    try:
+        spec = bench.BenchSpec(["broadcast"], [1024], iters=3, warmup=1)
+        frame = bench.run_sweep(cluster.workers(islands), islands, spec, progress=False)
+    finally:
+        cluster.__exit__(None, None, None)
+    assert frame["wrong"].sum() == 0 and frame["plan"].iloc[0] == "round"
+    assert any("(one hop)" in line for line in frame.attrs["model"]), frame.attrs["model"]
+
+
 @pytest.mark.slow
 def test_notebook_runs(tmp_path):
     notebook = nbformat.read(REPO / "notebooks" / "bandwidth.ipynb", as_version=4)
