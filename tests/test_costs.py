@@ -106,8 +106,7 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_
     def broadcast(t):
         time.sleep(1e-4 + t.numel() * 8 / 1e9 * 3)
 
-    planner.calibrate(p, None, "auto", "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e9 * 3),
-                      lambda: time.sleep(6e-4 if p.one_hop else 3e-4),  # a check in one hop: slower here
+    planner.calibrate(p, None, "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e9 * 3), lambda: time.sleep(3e-4),
                       broadcast, lambda t: None, lambda t, op: t.mul_(4 if op == "sum" else 1),
                       lambda nbytes: {op: call(op, nbytes) for op in costs.OPS})
     every = (planner.ROUND, planner.PLAN, planner.FLAT)
@@ -122,7 +121,7 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_
     assert p.small_bytes == {"allreduce": m1, "broadcast": k256, "reduce": m4, "allgather": m4, "reducescatter": m4}
     assert p.plan_of("broadcast", m1) == planner.PLAN and p.plan_of("broadcast", m16) == planner.FLAT
     assert p.plan_of("allreduce", m4) == planner.FLAT and p.plan_of("reduce", 64 << 20) == planner.PLAN
-    assert not p.one_hop and "(three hops)" in p.describe()[1]
+    assert "(three hops)" in p.describe()[1]
 
 
 def test_a_slow_flat_library_is_not_taken_beyond_the_sizes_it_raced():
@@ -135,16 +134,14 @@ def test_a_slow_flat_library_is_not_taken_beyond_the_sizes_it_raced():
     def call(op, nbytes):  # the flat plan wins every race it runs (the round is not faster)
         return lambda: time.sleep({planner.ROUND: 3e-3, planner.FLAT: 1e-3, planner.PLAN: 2e-3}[p.plan_of(op, nbytes)])
 
-    planner.calibrate(p, None, "auto", "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e8),  # 200 MB/s: rungs
-                      lambda: time.sleep(1e-4 if p.one_hop else 3e-4),  # shrink; a slow hop: one beats three
-                      lambda t: time.sleep(1e-4 + t.numel() * 8 / 3e9), lambda t: None,
+    planner.calibrate(p, None, "auto", lambda t: time.sleep(1e-4 + t.numel() * 8 / 2e8),  # 200 MB/s: rungs shrink
+                      lambda: time.sleep(3e-4), lambda t: time.sleep(1e-4 + t.numel() * 8 / 3e9), lambda t: None,
                       lambda t, op: t.mul_(4 if op == "sum" else 1),
                       lambda nbytes: {op: call(op, nbytes) for op in costs.OPS})
     assert 1 << 20 < p.flat_until < 16 << 20
     assert p.plan_of("broadcast", int(p.flat_until)) == planner.FLAT
     assert p.plan_of("broadcast", 16 << 20) == planner.PLAN  # beyond what was raced: not extrapolated
     assert any("up to" in line for line in p.describe())
-    assert p.one_hop and "(one hop)" in p.describe()[1]
 
 
 def test_the_round_threshold_follows_its_races_and_the_model_between_them():

@@ -56,7 +56,7 @@ def actors():
     hetccl_ray.create_collective_group(picks, len(picks), list(range(len(picks))), group_name="pieces",
                                        timeout_s=60, small_bytes=SMALL_BYTES, piece_bytes=4096, flat="off")
     hetccl_ray.create_collective_group(picks, len(picks), list(range(len(picks))), group_name="one-hop",
-                                       timeout_s=60, small_bytes=SMALL_BYTES, flat="off", one_hop="on")
+                                       timeout_s=60, small_bytes=SMALL_BYTES, flat="off", one_hop=True)
     yield actors
     test_cluster.stop(cluster)
 
@@ -358,7 +358,7 @@ def _one_hop_ops(name, rank, world):
 
 
 def test_rounds_and_checks_in_one_hop(actors):
-    """A group whose small rounds and checks go in one hop (one_hop="on"): every op against
+    """A group whose small rounds and checks go in one hop (one_hop=True): every op against
     numpy, border bytes the one-hop round's, a rank that called another op named on every rank."""
     from hetccl_ray.collective import rounds
     from hetccl_ray.topology import Topology

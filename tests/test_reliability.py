@@ -267,7 +267,7 @@ def _destroy(name):
 
 
 # the border's sockets (the check in three hops, or in one), or one host's shared memory
-@pytest.mark.parametrize("flat, one_hop", [("off", "off"), ("off", "on"), ("auto", "auto")])
+@pytest.mark.parametrize("flat, one_hop", [("off", False), ("off", True), ("auto", False)])
 def test_dead_peer_fails_the_others_and_the_group_is_recreated(env, flat, one_hop):
     cluster, actors = env
     survivors = [actors["a"][3], actors["b"][3]]
@@ -286,7 +286,7 @@ def test_dead_peer_fails_the_others_and_the_group_is_recreated(env, flat, one_ho
         assert f"allreduce #2 in group '{name}'" in message, message
         assert "ranks that did not arrive: [2]" in message, message
         assert "is broken by an earlier failure" in later and "allreduce #2" in later, later
-    if one_hop == "on":  # each survivor waits for the dead rank's own message
+    if one_hop:  # each survivor waits for the dead rank's own message
         assert all(f"rank {r} <-> rank 2 failed" in message for r, (message, _, _) in enumerate(results)), results
     elif flat == "off":
         assert "connection closed by peer" in results[1][0].lower()    # rank 1 shares the dead rank's island

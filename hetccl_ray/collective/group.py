@@ -115,8 +115,8 @@ class HetCCLGroup(BaseGroup):
         if self._shared is not None:  # one host: every call checked and CPU data moved in shared memory
             self.planner = planner.shared_memory(self.topology)
             return
-        self.planner = planner.Planner(self.topology)
-        planner.calibrate(self.planner, self.options.small_bytes, self.options.flat, self.options.one_hop,
+        self.planner = planner.Planner(self.topology, one_hop=self.options.one_hop)
+        planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
                           lambda t: devices.synchronize(t, self.options.timeout_s),

@@ -47,9 +47,8 @@ class GroupOptions:
         hierarchical plan: one host, a fast network), "on" (every call above the small
         round's size) or "off" (``HETCCL_FLAT``).
     one_hop: the small round and the call check in one hop, every rank to every rank (rounds.py),
-        instead of three through the island leaders: "auto" (where formation's timed checks
-        say it is faster: a slow network; three hops where ``small_bytes`` is given), "on" or
-        "off" (``HETCCL_ONE_HOP``).
+        instead of three through the island leaders: for a border whose hops are network
+        latency (a link between buildings); more bytes cross it (``HETCCL_ONE_HOP=1``).
     compress: lossless compression of float payloads to other islands over TCP: "auto"
         (each link compresses when its measured rate and the codec's speed and ratio say it
         saves time), "on" or "off" (``HETCCL_COMPRESS``; compress/policy.py).
@@ -71,7 +70,7 @@ class GroupOptions:
                                        if os.environ.get("HETCCL_SMALL_BYTES") else None)
     compress: str = field(default_factory=lambda: os.environ.get("HETCCL_COMPRESS") or "auto")
     flat: str = field(default_factory=lambda: os.environ.get("HETCCL_FLAT") or "auto")
-    one_hop: str = field(default_factory=lambda: os.environ.get("HETCCL_ONE_HOP") or "auto")
+    one_hop: bool = field(default_factory=lambda: os.environ.get("HETCCL_ONE_HOP", "0") not in ("", "0"))
     same_host: bool = field(default_factory=lambda: os.environ.get("HETCCL_SAME_HOST", "1") != "0")
 
     def __post_init__(self) -> None:
@@ -87,9 +86,8 @@ class GroupOptions:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.compress not in COMPRESS_MODES:
             raise ValueError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
-        for name in ("flat", "one_hop"):
-            if getattr(self, name) not in FLAT_MODES:
-                raise ValueError(f"{name} must be one of {FLAT_MODES}, got {getattr(self, name)!r}")
+        if self.flat not in FLAT_MODES:
+            raise ValueError(f"flat must be one of {FLAT_MODES}, got {self.flat!r}")
         self.islands = {int(rank): str(name) for rank, name in self.islands.items()}
 
     def to_json(self) -> bytes:

@@ -51,7 +51,7 @@ class Planner:
     flat_link: Optional[costs.LinkCosts] = None
     forced: Optional[str] = None  # ROUND, PLAN or FLAT whatever the size: what calibration times
     shared_memory: bool = False  # the flat library is shm.py's (every rank on one host), not Gloo
-    one_hop: bool = False  # small rounds and checks in one hop (rounds.py), where calibration saw it faster
+    one_hop: bool = False  # small rounds and checks in one hop (rounds.py): the ``one_hop`` option
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"round", "2hop", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests'
@@ -120,8 +120,7 @@ def shared_memory(topology: Topology) -> Planner:
                    shared_memory=True)
 
 
-def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, one_hop_mode: str,
-              flat_broadcast: Optional[Callable],
+def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
               barrier: Callable[[], None], broadcast: Callable[[torch.Tensor], None],
               synchronize: Callable[[torch.Tensor], None], allreduce: Callable[[torch.Tensor, str], None],
               probe_calls: Callable[[int], dict[str, Callable[[], None]]]) -> None:
@@ -132,10 +131,8 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, one_
     (the link), the flat library's broadcasts (``flat_broadcast``), then each op of
     ``probe_calls`` raced by its candidate plans up a ladder of sizes (what every rank saw,
     summed: one rank's view of a close race is noise). The round's threshold and the flat
-    plan's start are where their races were won; the model's line fills in below the ladder.
-    Rounds go in one hop where ``one_hop_mode`` is "on", or "auto" and its timed checks won."""
+    plan's start are where their races were won; the model's line fills in below the ladder."""
     topology = planner.topology
-    planner.one_hop = one_hop_mode == "on"
     planner.flat = flat_broadcast is not None
     planner.flat_from = dict.fromkeys(costs.OPS, 0.0 if flat_mode == "on" else math.inf)
     if small_bytes is not None or topology.world_size == 1:
@@ -150,8 +147,6 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, one_
     finally:
         planner.forced = None
     measured = costs.measure(hops, probes[0], topology)
-    if one_hop_mode == "auto":
-        planner.one_hop = _one_hop_wins(planner, barrier, hops, allreduce, synchronize)
     numbers = [measured.hop_s, 1 / measured.bytes_per_s]
     if measure_flat:
         tiny = torch.zeros(1, dtype=torch.float64)
@@ -179,23 +174,6 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, one_
     model = costs.thresholds(topology, planner.link, planner.flat_link, taken)
     raced = [size for size in sizes if size <= costs.MAX_SMALL_BYTES]
     planner.small_bytes = {op: _round_limit(model[op], round_lost[op], raced) for op in costs.OPS}
-
-
-def _one_hop_wins(planner: Planner, barrier: Callable[[], None], three_hops_s: list[float],
-                  allreduce: Callable[[torch.Tensor, str], None], synchronize: Callable[[torch.Tensor], None]) -> bool:
-    """Whether the round in one hop beats the three-hop one (``three_hops_s``: timed checks):
-    the fastest of each rank's timed rows-only checks, summed over ranks. Where a hop costs
-    more than a rank's n - 1 messages (a slow network) it does; on a busy host, not."""
-    planner.one_hop = True
-    try:
-        one_hop_s = timed(barrier, PROBE_ROUNDS + 1)[1:]
-    finally:
-        planner.one_hop = False
-    seconds = torch.tensor([min(three_hops_s), min(one_hop_s)], dtype=torch.float64)
-    allreduce(seconds, "sum")
-    synchronize(seconds)
-    three, one = seconds.tolist()
-    return one < three
 
 
 def _ladder(topology: Topology, link: costs.LinkCosts, flat_broadcast_s: Optional[float]) -> list[int]:
