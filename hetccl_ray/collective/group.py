@@ -295,18 +295,21 @@ class HetCCLGroup(BaseGroup):
                 with device.using(stream) if stream is not None else _HOST_ONLY:
                     problem = self._dispatch(ctx, call, body, peer, check, staged, before, after, ahead)
             except (HetCCLError, RuntimeError) as exc:
-                raise self._break(exc, self._where(call), seq, peer) from exc
+                raise self._break(exc, self._where(call.op, seq), seq, peer) from exc
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before_bytes
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
                 if stream is not None:
                     caller.wait(stream.record())
             if problem is not None:  # every rank saw every call and no user buffer changed: still usable
-                raise HetCCLMismatchError(f"{self._where(call)}: mismatched call: {problem}")
+                raise HetCCLMismatchError(f"{self._where(call.op, seq)}: mismatched call: {problem}")
 
-    def _where(self, call: Call) -> str:
-        """The op of an error: what, which call, which group and rank."""
-        return f"{call.op} #{call.seq} in group '{self.group_name}' on rank {self.rank}"
+    def _where(self, op: str, seq: int) -> str:
+        """The op of an error (made only on error): what, which call (a message's tag, in the
+        high bits of its number, too), which group and rank."""
+        tag = seq >> 32
+        return (f"{op} #{seq & 0xFFFFFFFF}{f' (tag {tag})' if tag else ''} in group '{self.group_name}' "
+                f"on rank {self.rank}")
 
     def _break(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
         """With the lock held: the group is broken by ``exc`` (the first failure stays) and its
@@ -607,8 +610,6 @@ class HetCCLGroup(BaseGroup):
         with self._lock:
             self._raise_if_broken()
             seq = self._next_p2p_seq(op, peer, tag)
-            where = lambda: (f"{op} #{seq & 0xFFFFFFFF}{f' (tag {tag})' if tag else ''} in group "  # noqa: E731
-                             f"'{self.group_name}' on rank {self.rank}")  # only an error names it
             mark = Call(op, x.flat.dtype, x.numel, seq=seq).tag()
             flexible = op == "recv" and plans.by_socket(self._shared, self._routed, peer)
             try:
@@ -616,7 +617,7 @@ class HetCCLGroup(BaseGroup):
                           self.border.default.irecv(peer, x.flat, mark, flexible=True) if flexible else
                           self.border.irecv(peer, x.flat, mark))
             except (HetCCLError, RuntimeError) as exc:
-                raise self._break(exc, where(), seq, peer) from exc
+                raise self._break(exc, self._where(op, seq), seq, peer) from exc
             self.last_op_bytes_sent = x.flat.nbytes if op == "send" else 0
             self._sent_by_op[op] += self.last_op_bytes_sent
         deadline = time.monotonic() + self.options.timeout_s
@@ -629,7 +630,7 @@ class HetCCLGroup(BaseGroup):
                     raise mismatch(self.rank, mark, x.flat.nbytes, peer, mark, landed[1])
             except (HetCCLError, RuntimeError) as exc:
                 with self._lock:
-                    broken = self._break(exc, where(), seq, peer)
+                    broken = self._break(exc, self._where(op, seq), seq, peer)
                 raise broken from exc
             x.write_back()
 
