@@ -185,11 +185,13 @@ class ShmLibrary:
         agreed, pids = all(ok != b"0" for ok in oks), pids if all(ok == b"2" for ok in oks) else None
         store.set(f"shm/open/{rank}", "1")
         for r in range(size):
-            store.get(f"shm/open/{r}")  # every rank has mapped the control file and read every probe (or given up)
+            store.get(f"shm/open/{r}")  # every rank mapped the control file and read every probe (or gave up)
         del probe
         if rank == 0 and path:
             os.unlink(path + "-control")
-        return cls(path, control, rank, size, row_width, timeout_s, gone, names or range(size), pids) if agreed else None
+        if not agreed:
+            return None
+        return cls(path, control, rank, size, row_width, timeout_s, gone, names or range(size), pids)
 
     @staticmethod
     def _readable(store: "dist.Store", rank: int, size: int) -> tuple[Optional[list[int]], np.ndarray]:
