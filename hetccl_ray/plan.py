@@ -50,7 +50,7 @@ def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int =
     if small:
         lines.append(f"small round (3 hops, call rows inside): border bytes "
                      f"{sum(sum(r.sent(topo).values()) for r in small) * itemsize:,}; in one hop "
-                     f"{rounds.one_hop_bytes(topo, op, size, root):,}")
+                     f"{schedule.round_bytes(topo, op, size, root, one_hop=True):,}")
     if steps:
         for p in (*plans, *small):
             lines += p.describe()

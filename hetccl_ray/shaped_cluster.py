@@ -4,9 +4,9 @@ Namespaces hang off one bridge through veth pairs; ``tc tbf`` shapes both direct
 every veth, so traffic between islands goes at ``rate`` while traffic inside an island
 (one namespace) stays unshaped: the shape of a cluster whose cross-vendor links are slower
 than its intra-vendor ones; with ``delay``, ``tc netem`` also holds every packet that long
-each way (a border between buildings or regions). Needs root and iproute2 (``ip``, ``tc``). Only the processes
-it started are stopped (by process group), and its namespaces, veths and bridge are
-always removed. Traffic stays inside these namespaces and the bridge.
+each way (a border between buildings or regions). Needs root and iproute2 (``ip``, ``tc``).
+Only the processes it started are stopped (by process group), and its namespaces, veths and
+bridge are always removed. Traffic stays inside these namespaces and the bridge.
 
     python -m hetccl_ray.shaped_cluster --layout 2x2 --rate 1gbit   # stand one up, print it
 """

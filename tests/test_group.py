@@ -360,7 +360,7 @@ def _one_hop_ops(name, rank, world):
 def test_rounds_and_checks_in_one_hop(actors):
     """A group whose small rounds and checks go in one hop (one_hop=True): every op against
     numpy, border bytes the one-hop round's, a rank that called another op named on every rank."""
-    from hetccl_ray.collective import rounds
+    from hetccl_ray.collective import schedule
     from hetccl_ray.topology import Topology
 
     results = on_all(actors, "one-hop", _one_hop_ops)
@@ -384,7 +384,7 @@ def test_rounds_and_checks_in_one_hop(actors):
     for key in ["allreduce", "allgather", "reducescatter", *[k for k in want if k != "allreduce"]]:
         op, root = (key, 0) if isinstance(key, str) else key
         nbytes = 33 * 8 if op in ("allreduce", "broadcast", "reduce") else world * 5 * 8
-        assert sum(got[key][1] for got, _ in results) == rounds.one_hop_bytes(topo, op, nbytes, root), key
+        assert sum(got[key][1] for got, _ in results) == schedule.round_bytes(topo, op, nbytes, root, one_hop=True), key
     crossing = sum(3 * 8 for r in range(world) for t in range(world) if islands[r] != islands[t])
     assert sum(got["alltoall"][1] for got, _ in results) == crossing  # blocks straight, once; rows carry no data
 

@@ -148,7 +148,7 @@ def test_round_bytes_and_messages(layout, op, chunk, one_hop):
     check = _rounds(topo, "check", 0, 0, one_hop)
     for root in (range(topo.world_size) if op in schedule.ROOTED else [0]):
         built = _rounds(topo, op, n, root, one_hop)
-        promised = (rounds.one_hop_bytes(topo, op, n * 4, root) if one_hop else schedule.round_bytes(topo, op, n * 4))
+        promised = schedule.round_bytes(topo, op, n * 4, root, one_hop)
         assert sum(sum(r.sent(topo).values()) for r in built) * 4 == promised, (op, root)
         for phase in range(1 if one_hop else 3):
             steps = [(r.rank, r.pieces[0].across[phase]) for r in built]

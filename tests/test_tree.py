@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetccl_ray.collective import rounds, schedule, tree
+from hetccl_ray.collective import schedule, tree
 from hetccl_ray.collective.calls import Call
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology
@@ -38,7 +38,7 @@ def layout(request):
 def _promised(layout, op: str, nbytes: int, root: int = 0) -> int:
     """The border bytes the round promises (nbytes: the whole buffer)."""
     _, topo, _, one_hop = layout
-    return rounds.one_hop_bytes(topo, op, nbytes, root) if one_hop else schedule.round_bytes(topo, op, nbytes)
+    return schedule.round_bytes(topo, op, nbytes, root, one_hop)
 
 
 def _run(layout, body):

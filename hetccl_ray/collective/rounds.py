@@ -18,12 +18,11 @@ no torch, no Ray.
 Border bytes (all ranks together; S the buffer, k islands): allgather, reducescatter,
 broadcast, reduce (k-1)S; allreduce k(k-1)S (each island's partial to every other leader).
 
-Where a hop of the border costs more than a message (a slow network: calibration races the
-two, planner.py), a group takes the round in one hop instead (``one_hop``): every rank sends
-every other rank one message, its rows and the data that rank needs, and folds (in rank
-order) or places what it gets. Every op's and the check's messages are then that pattern,
-so a rank that called something else is still named on every rank; more bytes cross islands
-(``one_hop_bytes``), which below the round's threshold costs less than two hops.
+A group whose border hop is network latency rather than a message's CPU (the ``one_hop``
+option) takes the round in one hop instead: every rank sends every other rank one message,
+its rows and the data that rank needs, and folds (in rank order) or places what it gets.
+Every op's and the check's messages are then that pattern, so a rank that called something
+else is still named on every rank; more bytes cross islands (``schedule.round_bytes``).
 """
 
 from __future__ import annotations
@@ -54,16 +53,6 @@ def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0, one_hop
 @functools.lru_cache(maxsize=512)
 def _build(topo: Topology, rank: int, op: str, n: int, root: int, one_hop: bool) -> Plan:
     return getattr((_OneHop if one_hop else _Builder)(topo, rank, n, root), op)()
-
-
-def one_hop_bytes(topo: Topology, op: str, nbytes: int, root: int = 0) -> int:
-    """Border bytes of the one-hop round (all ranks together): every rank's data to every rank
-    of another island that needs it (S the buffer: allgather's output, reducescatter's input)."""
-    n, home = topo.world_size, topo.island_of(root).size
-    crossing = n * n - sum(island.size ** 2 for island in topo.islands)  # ordered pairs across islands
-    if op in ("broadcast", "reduce"):
-        return (n - home) * nbytes
-    return crossing * nbytes // (1 if op == "allreduce" else n)
 
 
 def _whole(name: str, n: int) -> Ref:

@@ -6,8 +6,9 @@ or folded into the span with the reduce op), then island steps again. One runner
 (``runner.execute``) runs every plan, overlapping piece q's border steps with the island
 steps of pieces q+1 and q-1 (after FlagCX's cluster-to-cluster planner: pre-homo, hetero,
 post-homo steps, built once and cached per call pattern). The small round (rounds.py) is a
-plan of one piece of three border steps whose messages carry the call rows (``rows``), over
-named scratch buffers, with landings after each step and a ``finish`` made once the rows agree.
+plan of one piece of three border steps (one, in one hop) whose messages carry the call rows
+(``rows``), over named scratch buffers, with landings after each step and a ``finish`` made
+once the rows agree.
 
 Builders are pure (no torch, no Ray): ``build(topo, rank, op, n, root, pieces)`` for every
 rank, so a plan can be printed and its border bytes checked without a cluster
@@ -367,11 +368,18 @@ def bound(topo: Topology, op: str, nbytes: int) -> int:
     return (2 if op == "allreduce" else 1) * (k - 1) * nbytes
 
 
-def round_bytes(topo: Topology, op: str, nbytes: int) -> int:
-    """Border bytes of the small round (tree.py): the bound, except allreduce, whose island
-    partials go to every other island's leader: k(k-1)S."""
-    k = len(topo.islands)
-    return k * (k - 1) * nbytes if op == "allreduce" else bound(topo, op, nbytes)
+def round_bytes(topo: Topology, op: str, nbytes: int, root: int = 0, one_hop: bool = False) -> int:
+    """Border bytes of the small round (rounds.py): the bound, except allreduce, whose island
+    partials go to every other island's leader: k(k-1)S. In one hop, every rank's data to
+    every rank of another island that needs it (broadcast, reduce: the root's to or from the
+    ranks outside its island)."""
+    k, n = len(topo.islands), topo.world_size
+    if not one_hop:
+        return k * (k - 1) * nbytes if op == "allreduce" else bound(topo, op, nbytes)
+    if op in ROOTED:
+        return (n - topo.island_of(root).size) * nbytes
+    crossing = n * n - sum(island.size ** 2 for island in topo.islands)  # ordered pairs across islands
+    return crossing * nbytes // (1 if op == "allreduce" else n)
 
 
 def border_bytes(topo: Topology, op: str, n: int, itemsize: int, root: int = 0, pieces: int = 1) -> int:
