@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import time
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -22,6 +23,7 @@ REDUCE_OPS = dict(zip(_OP_NAMES, (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist
 
 
 _PIECE_BYTES, _DEPTH = 512 << 10, 3  # reduce-scatter pipelining: piece size, pieces in flight
+_CLOCK_SLACK = 0.01  # the library's clock starts when it takes an op, a moment before its wait
 _RS_TAG, _AG_TAG = 1, 2  # Gloo P2P tags of reduce-scatter and allgather traffic; user send/recv use 0
 
 
@@ -65,18 +67,6 @@ def ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
 def _pieces(count: int, step: int) -> list[tuple[int, int]]:
     """(start, length) pieces of ``count`` elements, ``step`` at a time."""
     return [(start, min(step, count - start)) for start in range(0, count, step)]
-
-
-def _done(work: "dist.Work") -> None:
-    """Wait for a library op. The library reports a timeout only in its message (Gloo:
-    "Timed out waiting ... for recv"), so it becomes a ``HetCCLTimeoutError`` here, once,
-    and the layers above classify errors by type."""
-    try:
-        work.wait()
-    except RuntimeError as exc:
-        if any(word in str(exc).lower() for word in ("timed out", "timeout")):
-            raise HetCCLTimeoutError(f"island library: {exc}") from exc
-        raise
 
 
 class SoloIsland:
@@ -126,10 +116,22 @@ class TorchIsland:
     the halves takes 7 ms, so Gloo islands build both from send/recv.
     """
 
-    def __init__(self, pg: "dist.ProcessGroup", rank: int, size: int, native: bool) -> None:
+    def __init__(self, pg: "dist.ProcessGroup", rank: int, size: int, native: bool, timeout_s: float) -> None:
         self.pg, self.rank, self.size = pg, rank, size
-        self.native = native
+        self.native, self.timeout_s = native, timeout_s
         self._scratch = ScratchPool()
+
+    def _done(self, work: "dist.Work") -> None:
+        """Wait for a library op. The library says a wait timed out only in its message (Gloo
+        raises a plain RuntimeError), so the type comes from the clock: a failure once the
+        library's deadline (``timeout_s``, from the wait) has passed is a ``HetCCLTimeoutError``."""
+        started = time.monotonic()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if time.monotonic() - started >= self.timeout_s * (1 - _CLOCK_SLACK):
+                raise HetCCLTimeoutError(f"island library: {exc}") from exc
+            raise
 
     def _staging(self, n: int, like: torch.Tensor, slot: int = -1) -> torch.Tensor:
         return self._scratch.get(slot, n, like)
@@ -145,7 +147,7 @@ class TorchIsland:
         return opts
 
     def allreduce(self, buf: torch.Tensor, op: str) -> None:
-        _done(self.pg.allreduce([buf], self._opts(dist.AllreduceOptions, op)))
+        self._done(self.pg.allreduce([buf], self._opts(dist.AllreduceOptions, op)))
 
     def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
         owners = [r for r, count in enumerate(counts) if count]
@@ -154,9 +156,9 @@ class TorchIsland:
             out = self._staging(count, buf)
             opts = self._opts(dist.ReduceScatterOptions, op)
             if len(set(counts)) == 1:
-                _done(self.pg._reduce_scatter_base(out, buf, opts))
+                self._done(self.pg._reduce_scatter_base(out, buf, opts))
             else:
-                _done(self.pg.reduce_scatter([out], [[buf[o:o + n] for o, n in ranges(counts)]], opts))
+                self._done(self.pg.reduce_scatter([out], [[buf[o:o + n] for o, n in ranges(counts)]], opts))
             buf[offset:offset + count].copy_(out)
         elif len(owners) == 1:
             self.reduce(buf, owners[0], op)
@@ -185,12 +187,12 @@ class TorchIsland:
         for i, (start, n) in enumerate(pieces):
             works = pending.pop(0)
             for peer, work in zip(peers, works):
-                _done(work)
+                self._done(work)
                 combine(mine[start:start + n], slots[peer][i % _DEPTH, :n], op)
             if i + _DEPTH < len(pieces):
                 pending.append(post(i + _DEPTH))
         for work in sends:
-            _done(work)
+            self._done(work)
 
     def allgather(self, buf: torch.Tensor, counts: Sequence[int]) -> None:
         spans = ranges(counts)
@@ -199,9 +201,9 @@ class TorchIsland:
             mine = self._staging(count, buf)
             mine.copy_(buf[offset:offset + count])
             if len(set(counts)) == 1:
-                _done(self.pg._allgather_base(buf, mine))
+                self._done(self.pg._allgather_base(buf, mine))
             else:
-                _done(self.pg.allgather([[buf[o:o + n] for o, n in spans]], [mine]))
+                self._done(self.pg.allgather([[buf[o:o + n] for o, n in spans]], [mine]))
             return
         offset, count = spans[self.rank]
         works = [self.pg.send([buf[offset:offset + count]], peer, _AG_TAG)
@@ -209,7 +211,7 @@ class TorchIsland:
         works += [self.pg.recv([buf[o:o + n]], peer, _AG_TAG) for peer, (o, n) in enumerate(spans)
                   if n and peer != self.rank]
         for work in works:
-            _done(work)
+            self._done(work)
 
     def gather(self, buf: torch.Tensor, counts: Sequence[int], root: int) -> None:
         for peer, (offset, count) in enumerate(ranges(counts)):
@@ -220,23 +222,23 @@ class TorchIsland:
                     self.recv(buf[offset:offset + count], peer)
 
     def broadcast(self, buf: torch.Tensor, root: int) -> None:
-        _done(self.pg.broadcast([buf], self._opts(dist.BroadcastOptions, root=root)))
+        self._done(self.pg.broadcast([buf], self._opts(dist.BroadcastOptions, root=root)))
 
     def reduce(self, buf: torch.Tensor, root: int, op: str) -> None:
-        _done(self.pg.reduce([buf], self._opts(dist.ReduceOptions, op, root)))
+        self._done(self.pg.reduce([buf], self._opts(dist.ReduceOptions, op, root)))
 
     def alltoall(self, out: torch.Tensor, inp: torch.Tensor, out_counts: Sequence[int],
                  in_counts: Sequence[int]) -> None:
-        _done(self.pg.alltoall_base(out, inp, list(out_counts), list(in_counts), dist.AllToAllOptions()))
+        self._done(self.pg.alltoall_base(out, inp, list(out_counts), list(in_counts), dist.AllToAllOptions()))
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
-        _done(self.pg.send([buf], peer, 0))
+        self._done(self.pg.send([buf], peer, 0))
 
     def recv(self, buf: torch.Tensor, peer: int) -> None:
-        _done(self.pg.recv([buf], peer, 0))
+        self._done(self.pg.recv([buf], peer, 0))
 
     def barrier(self) -> None:
-        _done(self.pg.barrier())
+        self._done(self.pg.barrier())
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
@@ -269,7 +271,7 @@ def make_island(device: Device, store: "Optional[dist.Store]", rank: int, size: 
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return TorchIsland(dist.ProcessGroupGloo(store, rank, size, opts), rank, size, native=False)
+        return TorchIsland(dist.ProcessGroupGloo(store, rank, size, opts), rank, size, False, timeout_s)
     if backend in ("nccl", "rccl"):
         if not nccl_available():
             raise HetCCLError(f"{device.kind} tensors need NCCL (NVIDIA) or RCCL (AMD ROCm torch); this torch "
@@ -287,4 +289,4 @@ def make_island(device: Device, store: "Optional[dist.Store]", rank: int, size: 
         connect = getattr(pg, "eager_connect_single_device", None)
         if callable(connect):
             connect(device_index)  # the first op would otherwise pay the communicator's setup
-    return TorchIsland(pg, rank, size, native=True)
+    return TorchIsland(pg, rank, size, True, timeout_s)

@@ -1,0 +1,57 @@
+"""The island communicator's errors: a library wait that fails once its deadline has passed is
+a timeout (Gloo says so only in its message), one that fails before it (a peer gone) is not.
+Real Gloo process groups: two threads of this process, or this process and a spawned one."""
+
+import datetime
+import multiprocessing
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hetccl_ray.collective.island import TorchIsland
+from hetccl_ray.errors import HetCCLTimeoutError
+
+
+def _island(store: "dist.Store", rank: int, timeout_s: float) -> TorchIsland:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return TorchIsland(dist.ProcessGroupGloo(store, rank, 2, opts), rank, 2, False, timeout_s)
+
+
+def test_a_wait_past_the_deadline_is_a_timeout():
+    store, islands = dist.HashStore(), {}
+    makers = [threading.Thread(target=lambda r=r: islands.__setitem__(r, _island(store, r, 1.0))) for r in (0, 1)]
+    [t.start() for t in makers]
+    [t.join(30) for t in makers]
+    started = time.monotonic()
+    with pytest.raises(HetCCLTimeoutError, match="island library"):
+        islands[0].recv(torch.zeros(4), 1)  # rank 1 never sends
+    assert time.monotonic() - started >= 0.99
+
+
+def _join_and_leave(port: int) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+    _island(store, 1, 30.0)  # connected to rank 0; then the process ends
+
+
+def test_a_peer_gone_before_the_deadline_is_not_a_timeout():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    peer = multiprocessing.get_context("spawn").Process(target=_join_and_leave, args=(port,))
+    peer.start()
+    island = _island(store, 0, 30.0)
+    peer.join(60)
+    got = torch.zeros(4)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as failure:
+        island.recv(got, 1)
+    assert not isinstance(failure.value, HetCCLTimeoutError)
+    assert time.monotonic() - started < 15
+    assert torch.equal(got, torch.zeros(4))
