@@ -24,25 +24,36 @@ def test_every_op_has_a_threshold_that_grows_with_hop_time_and_bandwidth():
         assert slow_link[op] == pytest.approx(base[op] / 8, abs=2)
 
 
-def test_the_threshold_is_where_both_plans_cost_the_same():
+def _one_hop_busiest(op: str, n: int) -> float:
+    """Buffers the busiest rank of the one-hop round moves (rounds.py): the root sends its
+    buffer to, or folds one from, each other rank; allreduce folds every other rank's;
+    allgather and reduce-scatter pass an S/n block to each other rank."""
+    return {"allreduce": n - 1, "reduce": n - 1, "broadcast": n - 1,
+            "allgather": (n - 1) / n, "reducescatter": (n - 1) / n}[op]
+
+
+@pytest.mark.parametrize("one_hop", [False, True])
+def test_the_threshold_is_where_both_plans_cost_the_same(one_hop):
     link = costs.LinkCosts(150e-6, 0.8e9)
     for topo in (TWO_BY_TWO, THREE):
-        for op, size in costs.thresholds(topo, link).items():
+        for op, size in costs.thresholds(topo, link, one_hop=one_hop).items():
             hops, tree_c, plan_c = costs._shape(op, topo)
+            round_hops, tree_c = (1, _one_hop_busiest(op, topo.world_size)) if one_hop else (3, tree_c)
             plan_c *= costs.PLAN_SOFTWARE
-            tree_s = costs.TREE_HOPS * link.hop_s + tree_c * size / link.bytes_per_s
+            tree_s = round_hops * link.hop_s + tree_c * size / link.bytes_per_s
             plan_s = hops * link.hop_s + plan_c * size / link.bytes_per_s
-            if tree_c - plan_c >= 0.25:  # where the small round is not (nearly) as cheap per byte
+            if size < costs.MAX_SMALL_BYTES and tree_c - plan_c >= 0.25:  # the round dearer per byte
                 assert tree_s == pytest.approx(plan_s, rel=1e-3), op
 
 
-def test_measure_inverts_the_model():
-    hop, rate, sizes = 120e-6, 1.5e9, (64 << 10, 1 << 20)
-    busiest = costs.tree_busiest("broadcast", TWO_BY_TWO)
-    rounds = [3 * hop * f for f in (1.1, 1.0, 1.3)]  # other work only slows a round
-    broadcasts = {size: [3 * hop + busiest * size / rate + noise for noise in (1e-5, 0.0, 5e-5)]
+@pytest.mark.parametrize("one_hop", [False, True])
+def test_measure_inverts_the_model(one_hop):
+    hop, rate, sizes, round_hops = 120e-6, 1.5e9, (64 << 10, 1 << 20), 1 if one_hop else 3
+    busiest = _one_hop_busiest("broadcast", 4) if one_hop else 3  # root's leader: in, to a leader, to a member
+    rounds = [round_hops * hop * f for f in (1.1, 1.0, 1.3)]  # other work only slows a round
+    broadcasts = {size: [round_hops * hop + busiest * size / rate + noise for noise in (1e-5, 0.0, 5e-5)]
                   for size in sizes}
-    measured = costs.measure(rounds, broadcasts, TWO_BY_TWO)
+    measured = costs.measure(rounds, broadcasts, TWO_BY_TWO, one_hop)
     assert measured.hop_s == pytest.approx(hop) and measured.bytes_per_s == pytest.approx(rate)
     assert "120 us" in measured.describe() and "1.50 GB/s" in measured.describe()
 
@@ -122,6 +133,24 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_
     assert p.plan_of("broadcast", m1) == planner.PLAN and p.plan_of("broadcast", m16) == planner.FLAT
     assert p.plan_of("allreduce", m4) == planner.FLAT and p.plan_of("reduce", 64 << 20) == planner.PLAN
     assert "(three hops)" in p.describe()[1]
+
+
+def test_a_one_hop_group_reads_its_timed_checks_as_one_hop():
+    """Calibration times the group's own checks: in one hop each is one hop, not three."""
+    import time
+
+    from hetccl_ray.collective import planner
+
+    hops = {}
+    for one_hop in (False, True):
+        p = planner.Planner(TWO_BY_TWO, one_hop=one_hop)
+        planner.calibrate(p, None, "off", None, lambda: time.sleep(1.5e-3),
+                          lambda t: time.sleep(2e-3 + t.numel() * 8 / 1e9), lambda t: None, lambda t, op: None,
+                          lambda nbytes: {op: (lambda: time.sleep(1e-4)) for op in costs.OPS})
+        hops[one_hop] = p.link.hop_s
+        assert ("(one hop)" if one_hop else "(three hops)") in p.describe()[1]
+    assert hops[True] == pytest.approx(3 * hops[False], rel=0.2)  # min of sleeps: close, not equal
+    assert 1.5e-3 <= hops[True] < 3e-3
 
 
 def test_a_slow_flat_library_is_not_taken_beyond_the_sizes_it_raced():

@@ -6,9 +6,10 @@ plus the per-message software cost) and the bytes per second one rank moves
 (``bytes_per_s``). They are measured once at formation (timed rounds of tree.py) or given
 as options. A plan costs ``hops * hop_s + c * S / bytes_per_s``, where ``c`` is the number
 of buffers of S bytes its busiest rank moves one after another; the small round has
-3 hops and a leader that carries every island's bytes, the island plans have more hops
-(their own 3-hop call check included) but spread bytes over lanes. The threshold is the
-size where the two cost the same.
+3 hops and a leader that carries every island's bytes (in one hop, the ``one_hop`` option:
+every rank's data to every rank that needs it), the island plans have more hops (their own
+call check included) but spread bytes over lanes. The threshold is the size where the two
+cost the same.
 
 Where one library spans every rank (Gloo, for CPU tensors) its flat op is a third candidate:
 the rows-only check (3 hops) and then Gloo's own algorithm, whose hop and bandwidth are
@@ -63,28 +64,39 @@ def _shape(op: str, topo: Topology) -> tuple[int, float, float]:
     raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
 
 
-def tree_busiest(op: str, topo: Topology) -> float:
-    """Buffers of S bytes the small round's busiest rank moves in turn (for measuring bandwidth)."""
+def round_hops(one_hop: bool = False) -> int:
+    """Message hops of the small round and of the call check (rounds.py)."""
+    return 1 if one_hop else TREE_HOPS
+
+
+def tree_busiest(op: str, topo: Topology, one_hop: bool = False) -> float:
+    """Buffers of S bytes the small round's busiest rank moves in turn (for measuring
+    bandwidth). In one hop: a root sends or folds every other rank's buffer, allreduce
+    folds them all, allgather and reduce-scatter pass an S/n block to each other rank."""
     if op not in OPS:
         raise ValueError(f"no cost model for {op!r} by the small round; ops: {', '.join(OPS)}")
+    n = topo.world_size
+    if one_hop:
+        return (n - 1) / n if op in ("allgather", "reducescatter") else float(n - 1)
     return _shape(op, topo)[1]
 
 
-def round_seconds(topo: Topology, costs: LinkCosts, nbytes: int) -> float:
+def round_seconds(topo: Topology, costs: LinkCosts, nbytes: int, one_hop: bool = False) -> float:
     """The model's time of the slowest op's small round on ``nbytes``."""
-    return TREE_HOPS * costs.hop_s + max(tree_busiest(op, topo) for op in OPS) * nbytes / costs.bytes_per_s
+    busiest = max(tree_busiest(op, topo, one_hop) for op in OPS)
+    return round_hops(one_hop) * costs.hop_s + busiest * nbytes / costs.bytes_per_s
 
 
 def thresholds(topo: Topology, costs: LinkCosts, flat: Optional[LinkCosts] = None,
-               flat_ops: Sequence[str] = ()) -> dict[str, int]:
-    """For each op, the largest buffer (nccl-tests' size) that goes by the small round: where
-    its line crosses the hierarchical plan's, or for ``flat_ops`` (those the flat plan may
-    take) the flat op's (``flat``) where that is sooner."""
+               flat_ops: Sequence[str] = (), one_hop: bool = False) -> dict[str, int]:
+    """For each op, the largest buffer (nccl-tests' size) that goes by the small round (in
+    one hop where ``one_hop``): where its line crosses the hierarchical plan's, or for
+    ``flat_ops`` (those the flat plan may take) the flat op's (``flat``) where that is sooner."""
     out = {}
     for op in OPS:
-        hops, tree_c, plan_c = _shape(op, topo)
-        plan_c *= PLAN_SOFTWARE
-        saved_s = (hops - TREE_HOPS) * costs.hop_s
+        hops, _, plan_c = _shape(op, topo)
+        tree_c, plan_c = tree_busiest(op, topo, one_hop), plan_c * PLAN_SOFTWARE
+        saved_s = (hops - round_hops(one_hop)) * costs.hop_s
         extra_s_per_byte = max(tree_c - plan_c, 0.25) / costs.bytes_per_s
         limit = saved_s / extra_s_per_byte
         if flat is not None and op in flat_ops:
@@ -106,12 +118,13 @@ def _line(broadcasts_s: dict[int, list[float]], busiest: float) -> tuple[float, 
     return max(fastest[small] - busiest * small / rate, 0.0), rate
 
 
-def measure(hop_rounds_s: list[float], broadcasts_s: dict[int, list[float]], topo: Topology) -> LinkCosts:
-    """Costs from timed rounds: rows-only rounds (3 hops each) give the hop; small-round
-    broadcasts of two sizes give the bandwidth from the slope between them (the fastest
-    of each)."""
-    _, rate = _line(broadcasts_s, tree_busiest("broadcast", topo))
-    return LinkCosts(min(hop_rounds_s) / TREE_HOPS, rate)
+def measure(hop_rounds_s: list[float], broadcasts_s: dict[int, list[float]], topo: Topology,
+            one_hop: bool = False) -> LinkCosts:
+    """Costs from timed rounds: rows-only rounds (3 hops each, or one) give the hop;
+    small-round broadcasts of two sizes give the bandwidth from the slope between them (the
+    fastest of each)."""
+    _, rate = _line(broadcasts_s, tree_busiest("broadcast", topo, one_hop))
+    return LinkCosts(min(hop_rounds_s) / round_hops(one_hop), rate)
 
 
 def _flat_shape(op: str, n: int) -> tuple[int, float]:

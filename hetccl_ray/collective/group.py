@@ -157,14 +157,16 @@ class HetCCLGroup(BaseGroup):
         """Per op, the largest buffer (nccl-tests' size) that takes the small round."""
         return self.planner.small_bytes
 
-    def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True) -> str:
+    def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, peer: Optional[int] = None) -> str:
         """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round" (a
         broadcast whose calls are not checked: "2hop"), "flat" (CPU tensors on every rank) or
         "plan" (one island: the vendor op); all-to-all:
         "flat" through shared memory, "pull" from the senders' memory, else "direct" (blocks
-        straight to their ranks); a send of CPU memory: "pull" by its receiver, else "p2p"."""
+        straight to their ranks); a send of CPU memory (to ``peer``, or any peer over the TCP
+        border): "pull" by its receiver, else "p2p"."""
         if op == "send":
-            return "pull" if self._shared is not None and self._shared.pulls_message(nbytes) else "p2p"
+            pulled = plans.by_socket(self._shared, self._routed, peer) and self._shared.pulls_message(nbytes)
+            return "pull" if pulled else "p2p"
         if op == "alltoall":
             if self._shared is None or not every_rank_on_host or not self._shared.takes_alltoall(nbytes):
                 return "direct"
@@ -576,7 +578,7 @@ class HetCCLGroup(BaseGroup):
         border (:meth:`_post`: no plan to choose, so none of the op wrapper's work), except one
         pulled on one host; the rest through the wrapper (the island library for device
         tensors of island peers, the border otherwise)."""
-        if devices.of(x.flat).host and x.numel and self.plan_of("send", x.flat.nbytes) == "p2p":
+        if devices.of(x.flat).host and x.numel and self.plan_of("send", x.flat.nbytes, peer=peer) == "p2p":
             self._post(op, x, peer)()
             return
         plan = plans.send if op == "send" else plans.recv

@@ -146,7 +146,7 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
         probes = _probes([broadcast, flat_broadcast] if measure_flat else [broadcast], PROBE_ROUNDS)
     finally:
         planner.forced = None
-    measured = costs.measure(hops, probes[0], topology)
+    measured = costs.measure(hops, probes[0], topology, planner.one_hop)
     numbers = [measured.hop_s, 1 / measured.bytes_per_s]
     if measure_flat:
         tiny = torch.zeros(1, dtype=torch.float64)
@@ -162,7 +162,7 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     planner.link = costs.LinkCosts(values[0], 1 / values[1])
     if len(values) > 2:
         planner.flat_link = costs.LinkCosts(values[2], 1 / values[3])
-    sizes = _ladder(topology, planner.link, values[4] if len(values) > 2 else None)
+    sizes = _ladder(topology, planner.link, values[4] if len(values) > 2 else None, planner.one_hop)
     round_lost = _run_ladder(planner, sizes, measure_flat, functools.partial(_race, probe_calls, planner, allreduce,
                                                                              synchronize))
     if measure_flat and max(sizes) < max(OP_PROBE_BYTES):
@@ -171,18 +171,20 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
         # 0.4x of the hierarchical plan at 16 MiB)
         planner.flat_until = float(max(sizes))
     taken = [op for op, size in planner.flat_from.items() if size < math.inf]
-    model = costs.thresholds(topology, planner.link, planner.flat_link, taken)
+    model = costs.thresholds(topology, planner.link, planner.flat_link, taken, planner.one_hop)
     raced = [size for size in sizes if size <= costs.MAX_SMALL_BYTES]
     planner.small_bytes = {op: _round_limit(model[op], round_lost[op], raced) for op in costs.OPS}
 
 
-def _ladder(topology: Topology, link: costs.LinkCosts, flat_broadcast_s: Optional[float]) -> list[int]:
+def _ladder(topology: Topology, link: costs.LinkCosts, flat_broadcast_s: Optional[float],
+            one_hop: bool = False) -> list[int]:
     """The sizes each op is raced at: the round probe sizes whose calls the model says fit
     ``ROUND_PROBE_BUDGET_S``, and the op probe sizes, scaled down where the flat library is
     slow (``flat_broadcast_s`` for the largest broadcast probe) never below the smallest
     broadcast probe (none without a flat library)."""
     calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 3
-    sizes = {size for size in ROUND_PROBE_BYTES if calls * costs.round_seconds(topology, link, size) <= ROUND_PROBE_BUDGET_S}
+    sizes = {size for size in ROUND_PROBE_BYTES
+             if calls * costs.round_seconds(topology, link, size, one_hop) <= ROUND_PROBE_BUDGET_S}
     if flat_broadcast_s is not None:
         calls = len(costs.OPS) * (OP_PROBE_ROUNDS + 1) * 2 * sum(OP_PROBE_BYTES) / max(PROBE_BYTES)
         scale = min(OP_PROBE_BUDGET_S / max(calls * flat_broadcast_s, 1e-9), 1.0)

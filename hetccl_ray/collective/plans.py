@@ -156,8 +156,8 @@ def _routed(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[
     by_island = ctx.direct is None or not ctx.device.host
     count = ctx.pieces(routes.largest_crossing(ctx.topo, counts) * inputs[me].element_size())
     plan = routes.plan(ctx.topo, me, tuple(map(tuple, counts)), count, by_island)
-    execute(ctx, plan, {**{f"in:{t}": inputs[t] for t in [me, *range(world)]},  # its own block first: scratch like it
-                        **{f"out:{r}": outputs[r] for r in range(world)}})
+    named = {**{f"in:{t}": inputs[t] for t in range(world)}, **{f"out:{r}": outputs[r] for r in range(world)}}
+    execute(ctx, plan, named, like=inputs[me])
 
 
 def _by_island(ctx: PlanContext, peer: int) -> bool:

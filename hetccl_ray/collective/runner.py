@@ -180,8 +180,9 @@ class _Buffers:
     """A plan's named buffers: the op's (``buf``, ``out``; an all-to-all's blocks), its scratch,
     a slot per message a rows step receives."""
 
-    def __init__(self, ctx: PlanContext, plan: Plan, buffers: Mapping[str, torch.Tensor]) -> None:
-        self.ctx, self.like = ctx, next(iter(buffers.values()))
+    def __init__(self, ctx: PlanContext, plan: Plan, buffers: Mapping[str, torch.Tensor],
+                 like: Optional[torch.Tensor]) -> None:
+        self.ctx, self.like = ctx, next(iter(buffers.values())) if like is None else like
         self.held = dict(buffers)
         for name, n in plan.scratch:
             self.held[name] = ctx.scratch.get(("plan", name), n, self.like)
@@ -212,13 +213,13 @@ class _Buffers:
 
 
 def execute(ctx: PlanContext, plan: Plan, buffers: Mapping[str, torch.Tensor], op: Optional[str] = None,
-            agreement: Optional[Agreement] = None) -> Optional[str]:
-    """Run ``plan`` over its named ``buffers`` (the first the op's own: scratch takes its dtype
-    and device; ``op``: the reduce op of folds and island reductions; island steps on the flat
-    library where the planner chose it). Its rows steps carry ``agreement``'s rows; then who
-    disagrees is returned (None: every rank made the call, and the finish is written)."""
+            agreement: Optional[Agreement] = None, like: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Run ``plan`` over its named ``buffers`` (scratch takes the dtype and device of ``like``,
+    else of the first; ``op``: the reduce op of folds and island reductions; island steps on
+    the flat library where the planner chose it). Its rows steps carry ``agreement``'s rows;
+    then who disagrees is returned (None: every rank made the call, and the finish is written)."""
     library = ctx.flat if ctx.flat is not None else ctx.island
-    held = _Buffers(ctx, plan, buffers)
+    held = _Buffers(ctx, plan, buffers, like)
 
     def stage(steps: Sequence[Step], where: str) -> None:
         for step in steps:
