@@ -16,6 +16,7 @@ from ray.util import collective as col
 
 import hetccl_ray
 from hetccl_ray import bench
+from hetccl_ray.collective import tree
 from tests import cluster as test_cluster
 from tests.cases import DTYPES, REDUCE_OPS, SIZES, as_float, itemsize, libs, make, seed_of, values
 
@@ -324,6 +325,46 @@ def test_alltoall_mismatched_splits_named_on_every_rank(actors, name):
         assert error is not None and "alltoall #" in error, (rank, error)
         assert f"rank {world - 1} sends 5 elements to rank 0, which expects 6" in error, (rank, error)
         np.testing.assert_array_equal(after, np.array([float(r * 10 + rank) for r in range(world) for _ in range(3)]))
+
+
+def _alltoall_messages(name, rank, world):
+    """Messages this rank sends for an all-to-all of small blocks, then of blocks too large to
+    ride in the check's messages, and what it received."""
+    out = []
+    for n in (8, tree.RIDE_BYTES // 4 + 1):
+        ins = [torch.full((n,), float(rank * 10 + t)) for t in range(world)]
+        outs = [torch.zeros(n) for _ in range(world)]
+        before = hetccl_ray.border_stats(name)["messages_sent"]
+        hetccl_ray.alltoall(ins, outs, group_name=name)
+        out.append((hetccl_ray.border_stats(name)["messages_sent"] - before, [o.numpy() for o in outs]))
+    ins, outs = [torch.full((8,), float(rank * 10 + t)) for t in range(world)], [torch.zeros(8) for _ in range(world)]
+    try:  # rank 0 calls an allreduce (its round carries data) where the others' checks carry blocks
+        col.allreduce(torch.ones(8), group_name=name) if rank == 0 else hetccl_ray.alltoall(ins, outs, group_name=name)
+        mismatch = None
+    except hetccl_ray.HetCCLMismatchError as exc:
+        mismatch = str(exc)
+    hetccl_ray.alltoall(ins, outs, group_name=name)  # the group goes on, each link at its own messages
+    return out, mismatch, [o.numpy() for o in outs]
+
+
+@pytest.mark.parametrize("name, check, linked", [("two", 6, 6), ("one-hop", 30, 30)])
+def test_small_alltoall_blocks_ride_in_the_check(actors, name, check, linked):
+    """The check of 2+2 sends 6 messages (members up, leaders across, leaders down), that of a
+    one-hop group of 6 ranks 30 (every rank to every rank). A small block to a rank the check
+    links this one with rides in its message (2+2: 6 of the 12 blocks; one hop: all 30); a
+    larger block follows it: 12 and 30 messages for small blocks, 18 and 60 for large ones."""
+    results = on_all(actors, name, _alltoall_messages)
+    world = len(results)
+    blocks = world * (world - 1)
+    for which, expected in ((0, check + blocks - linked), (1, check + blocks)):
+        assert sum(counts[which][0] for counts, _, _ in results) == expected, which
+        for rank, (counts, _, _) in enumerate(results):
+            for src, got in enumerate(counts[which][1]):
+                np.testing.assert_array_equal(got, np.full(len(got), src * 10.0 + rank))
+    for rank, (_, mismatch, after) in enumerate(results):
+        assert mismatch is not None and "allreduce" in mismatch and "alltoall" in mismatch, (rank, mismatch)
+        for src, got in enumerate(after):
+            np.testing.assert_array_equal(got, np.full(8, src * 10.0 + rank))
 
 
 def _one_hop_ops(name, rank, world):

@@ -507,7 +507,7 @@ class HetCCLGroup(BaseGroup):
         def check(ctx: PlanContext, call: Call) -> Optional[str]:
             # blocks go ahead over the border during its round; on one host, after the check
             agreed["ahead"] = ahead = plans.SentAhead(ctx, inputs) if ctx.shared is None else None
-            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine, then=ahead.send if ahead else None)
+            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine, ahead)
             if problem is not None and ahead is not None:
                 ahead.wait()  # every receiver drains what came ahead
             return problem

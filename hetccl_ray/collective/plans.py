@@ -93,21 +93,37 @@ def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
 
 class SentAhead:
     """An all-to-all's blocks from host memory, sent straight to their destinations while the
-    check round runs (tree.py): to a peer the round links this rank with right after the
-    round's message (each link delivers in order), to the others before the round. Every
-    receiver knows from the rows what came ahead: it lands after the verdict, or is drained."""
+    check round runs (tree.py): to a peer the round links this rank with in the round's own
+    message where the block is small (one message, not two), else right after it (each link
+    delivers in order); to the others before the round. Every receiver knows from the rows
+    what came ahead: it lands after the verdict, or is drained; what rode came in ``rode``."""
 
     def __init__(self, ctx: PlanContext, inputs: Sequence[torch.Tensor]) -> None:
         self.ctx, self.inputs, self.handles = ctx, inputs, []
+        self.riding: set[int] = set()
+        self.rode: dict[int, bytearray] = {}
         linked = set(tree.linked(ctx.topo, ctx.rank, ctx.one_hop))
         for peer in range(ctx.topo.world_size):
             if peer not in linked:
                 self.send(peer)
 
-    def send(self, peer: int) -> None:
-        """Post the block for ``peer`` (none from device memory, to itself, or when empty)."""
+    def _block(self, peer: int) -> Optional[torch.Tensor]:
+        """The block for ``peer`` that goes ahead (none from device memory, to itself, or empty)."""
         block = self.inputs[peer]
-        if self.ctx.device.host and peer != self.ctx.rank and block.numel():
+        return block if self.ctx.device.host and peer != self.ctx.rank and block.numel() else None
+
+    def carry(self, peer: int) -> Optional[torch.Tensor]:
+        """The block for ``peer`` where it rides in the round's message to it (tree.rides)."""
+        block = self._block(peer)
+        if block is None or not tree.rides(self.ctx, peer, block.numel() * block.element_size()):
+            return None
+        self.riding.add(peer)
+        return block.view(torch.uint8)  # as bytes: the check's receive is bytes, never decoded
+
+    def send(self, peer: int) -> None:
+        """Post the block for ``peer``, unless it rode in the round's message."""
+        block = self._block(peer)
+        if block is not None and peer not in self.riding:
             self.handles.append(self.ctx.direct.isend(peer, block, self.ctx.tag))
 
     def wait(self) -> None:
@@ -140,7 +156,13 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
     ctx.launch(copy, outputs[me], inputs[me])
     host = {r for r, row in (ctx.rows or {}).items() if on_host(row)}
     straight = [(t, inputs[t]) for t in range(ctx.topo.world_size) if t != me] if me in host and ahead is None else []
-    ctx.exchange(straight, [(r, outputs[r]) for r in sorted(host - {me})], border=ctx.direct)
+    rode = {r for r in host - {me} if tree.rides(ctx, r, outputs[r].nbytes)} if ahead is not None else set()
+    for peer in rode:  # it came in the check's message
+        raw = ahead.rode.get(peer, bytearray())
+        if len(raw) != outputs[peer].nbytes:
+            raise mismatch(me, ctx.tag, outputs[peer].nbytes, peer, ctx.tag, len(raw))
+        copy(outputs[peer], torch.frombuffer(raw, dtype=outputs[peer].dtype))
+    ctx.exchange(straight, [(r, outputs[r]) for r in sorted(host - {me} - rode)], border=ctx.direct)
     if ahead is not None:
         ahead.wait()
     rest = [[0] * len(row) if r in host else list(row) for r, row in enumerate(counts)]

@@ -247,7 +247,7 @@ class Agreement(Protocol):
     """What a plan's rows steps carry and learn (tree.py's): every rank's call row."""
 
     tag: Tag  # the messages' tag (one whatever each rank called)
-    then: Optional[Callable[[int], None]]  # runs right after each message is posted
+    ahead: Optional["Ahead"]  # data that rides in the messages or follows them (an all-to-all's blocks)
 
     def moving(self, ctx: PlanContext) -> bool:
         """Whether messages still carry data (not once a mismatch or an odd size was seen)."""
@@ -262,18 +262,33 @@ class Agreement(Protocol):
         """Who called what, once every row is known (None: every rank agreed)."""
 
 
+class Ahead(Protocol):
+    """What goes with a rows-only round's messages (plans.SentAhead: an all-to-all's blocks)."""
+
+    rode: dict[int, bytearray]  # by peer: the bytes that rode in its message to this rank
+
+    def carry(self, peer: int) -> Optional[torch.Tensor]:
+        """The block that rides in this rank's message to ``peer`` (None: rows only)."""
+
+    def send(self, peer: int) -> None:
+        """Right after the message to ``peer`` is posted: what follows it on that link."""
+
+
 def _rows_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optional[str],
                agreement: Agreement) -> None:
     """A step of the small round: every message carries the rows over the TCP border, its
-    data only while the calls may still agree; receives are flexible; lands while sizes agree."""
+    data only while the calls may still agree (or what rides with a rows-only round);
+    receives are flexible; lands while sizes agree."""
     moving = agreement.moving(ctx)
-    border, tag = ctx.direct, agreement.tag
+    border, tag, ahead = ctx.direct, agreement.tag, agreement.ahead
     receives = [border.irecv(m.peer, held.slot(m), tag, flexible=True) for m in step.recvs]
     sends, extra = [], agreement.packed()
     for m in step.sends:
-        sends.append(border.isend(m.peer, held.of(m.buf, m.span) if moving else held.like[:0], tag, extra=extra))
-        if agreement.then is not None:
-            agreement.then(m.peer)
+        rides = ahead.carry(m.peer) if ahead is not None else None
+        data = rides if rides is not None else held.of(m.buf, m.span) if moving else held.like[:0]
+        sends.append(border.isend(m.peer, data, tag, extra=extra))
+        if ahead is not None:
+            ahead.send(m.peer)
     for handle in sends + receives:
         ctx.wait(handle)
     if agreement.arrived(receives):

@@ -14,19 +14,20 @@ result. Plans import no Ray.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from hetccl_ray.collective import rounds, routes
 from hetccl_ray.collective.calls import OP_CODES, ROW_WIDTH, Call, disagreement, on_host
-from hetccl_ray.collective.runner import execute
+from hetccl_ray.collective.runner import Ahead, execute
 from hetccl_ray.collective.schedule import BUF
 from hetccl_ray.errors import HetCCLMismatchError
 from hetccl_ray.transport.base import Tag
 
 Rows = dict[int, list[int]]
+RIDE_BYTES = 64 << 10  # an all-to-all block up to this rides in the check's message to a linked peer
 _NO_DATA = torch.empty(0, dtype=torch.uint8)  # the op buffer of a rows-only round
 
 
@@ -56,11 +57,10 @@ class Agreement:
     (this rank's with extra ints after the call's, filled with every rank's as they arrive),
     whether a message had another size than the call implies, and the verdict."""
 
-    def __init__(self, ctx, call: Call, rows: Optional[Rows] = None,
-                 then: Optional[Callable[[int], None]] = None) -> None:
+    def __init__(self, ctx, call: Call, rows: Optional[Rows] = None, ahead: Optional[Ahead] = None) -> None:
         self.tag = Tag(OP_CODES["check"], call.seq, 0)  # one tag whatever each rank called
         self.rows = rows if rows is not None else {ctx.rank: call.encode()}
-        self.then, self.spilled, self.decided, self.problem = then, False, False, None
+        self.ahead, self.spilled, self.decided, self.problem = ahead, False, False, None
 
     def moving(self, ctx) -> bool:
         if len(self.rows) == ctx.topo.world_size:  # every row known: decide now, before data moves
@@ -73,7 +73,10 @@ class Agreement:
     def arrived(self, handles) -> bool:
         for handle in handles:
             self.rows.update(_unpack(handle.extra))
-            self.spilled |= handle.spill is not None
+            if handle.spill is not None and self.ahead is not None:  # a rows-only round: what rode
+                self.ahead.rode[handle.peer] = handle.spill
+            else:
+                self.spilled |= handle.spill is not None
         return not self.spilled
 
     def verdict(self, ctx) -> Optional[str]:
@@ -100,6 +103,13 @@ def _verdict(ctx, rows: Rows, spilled: bool = False) -> Optional[str]:
     return problem
 
 
+def rides(ctx, peer: int, nbytes: int) -> bool:
+    """Whether an all-to-all block of ``nbytes`` sent ahead between this rank and ``peer``
+    rides in the check's message between them (a rule both ends apply): a small one to a
+    rank the check links this one with."""
+    return 0 < nbytes <= RIDE_BYTES and peer in linked(ctx.topo, ctx.rank, ctx.one_hop)
+
+
 def sent_ahead(call: Call, row: list[int], to: int) -> int:
     """Elements the rank that made ``call`` (its ``row``) sent ``to`` ahead of the round: an
     all-to-all's block from host memory goes straight to its destination while the round
@@ -111,12 +121,13 @@ def sent_ahead(call: Call, row: list[int], to: int) -> int:
 
 def drain(ctx, rows: Rows) -> None:
     """Receive and drop what peers sent this rank ahead of a round that found a mismatch
-    (their rows say what), so that the next op finds each link at its own messages."""
+    (their rows say what; a block that rode came with the round), so that the next op finds
+    each link at its own messages."""
     handles = []
     for peer, row in sorted(rows.items()):
         call = Call.decode(row[:ROW_WIDTH])
         count = sent_ahead(call, row, ctx.rank) if peer != ctx.rank else 0
-        if count:
+        if count and not rides(ctx, peer, count * call.dtype.itemsize):
             into = ctx.scratch.get(("drain", peer), count, torch.empty(0, dtype=call.dtype))  # frames decode by dtype
             handles.append(ctx.direct.irecv(peer, into, call.tag()))
     for handle in handles:
@@ -132,28 +143,28 @@ def small(ctx, call: Call, buf: torch.Tensor, out: Optional[torch.Tensor] = None
                    Agreement(ctx, call))
 
 
-def check(ctx, call: Call, rows: Optional[Rows] = None, then: Optional[Callable[[int], None]] = None) -> Optional[str]:
+def check(ctx, call: Call, rows: Optional[Rows] = None, ahead: Optional[Ahead] = None) -> Optional[str]:
     """The round with no data: every rank learns every call (and it is a barrier). On one
     host it is a step of the shared-memory library. ``rows``: this rank's row with extra ints
-    after the call's, filled with every rank's; ``then(peer)`` runs right after this rank's
-    message to each peer is posted (what follows it on that link)."""
+    after the call's, filled with every rank's; ``ahead``: what rides in this rank's message
+    to each peer or follows it on that link, and what rode in to this rank."""
     rows = rows if rows is not None else {ctx.rank: call.encode()}
     if ctx.shared is None:
         plan = rounds.build(ctx.topo, ctx.rank, "check", one_hop=ctx.one_hop)
-        return execute(ctx, plan, {BUF: _NO_DATA}, agreement=Agreement(ctx, call, rows, then))
+        return execute(ctx, plan, {BUF: _NO_DATA}, agreement=Agreement(ctx, call, rows, ahead))
     rows.update(ctx.shared.rows(rows[ctx.rank]))
     return _verdict(ctx, rows)
 
 
 def alltoall_counts(ctx, call: Call, mine: list[int],
-                    then: Optional[Callable[[int], None]] = None) -> tuple[Optional[str], list[list[int]]]:
+                    ahead: Optional[Ahead] = None) -> tuple[Optional[str], list[list[int]]]:
     """The all-to-all's check: the rows-only round with every rank's block sizes after its call
     row (``mine``: what it sends each rank, then what it expects from each), so they cost no
     payload. Returns who disagrees (calls, or pairs whose sizes differ) and ``counts[r][t]``;
-    ``then``: as :func:`check`'s."""
+    ``ahead``: as :func:`check`'s."""
     world = ctx.topo.world_size
     rows = {ctx.rank: call.encode() + list(mine)}
-    problem = check(ctx, call, rows, then)
+    problem = check(ctx, call, rows, ahead)
     if problem is not None:
         return problem, []
     extra = {rank: row[ROW_WIDTH:] for rank, row in rows.items()}
