@@ -100,7 +100,6 @@ class SentAhead:
 
     def __init__(self, ctx: PlanContext, inputs: Sequence[torch.Tensor]) -> None:
         self.ctx, self.inputs, self.handles = ctx, inputs, []
-        self.riding: set[int] = set()
         self.rode: dict[int, bytearray] = {}
         linked = set(tree.linked(ctx.topo, ctx.rank, ctx.one_hop))
         for peer in range(ctx.topo.world_size):
@@ -115,15 +114,14 @@ class SentAhead:
     def carry(self, peer: int) -> Optional[torch.Tensor]:
         """The block for ``peer`` where it rides in the round's message to it (tree.rides)."""
         block = self._block(peer)
-        if block is None or not tree.rides(self.ctx, peer, block.numel() * block.element_size()):
+        if block is None or not tree.rides(self.ctx, peer, block.nbytes):
             return None
-        self.riding.add(peer)
         return block.view(torch.uint8)  # as bytes: the check's receive is bytes, never decoded
 
     def send(self, peer: int) -> None:
         """Post the block for ``peer``, unless it rode in the round's message."""
         block = self._block(peer)
-        if block is not None and peer not in self.riding:
+        if block is not None and not tree.rides(self.ctx, peer, block.nbytes):
             self.handles.append(self.ctx.direct.isend(peer, block, self.ctx.tag))
 
     def wait(self) -> None:
