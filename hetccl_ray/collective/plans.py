@@ -101,7 +101,7 @@ class SentAhead:
     def __init__(self, ctx: PlanContext, inputs: Sequence[torch.Tensor]) -> None:
         self.ctx, self.inputs, self.handles = ctx, inputs, []
         self.rode: dict[int, bytearray] = {}
-        linked = set(tree.linked(ctx.topo, ctx.rank, ctx.one_hop))
+        linked = tree.linked(ctx.topo, ctx.rank, ctx.one_hop)
         for peer in range(ctx.topo.world_size):
             if peer not in linked:
                 self.send(peer)

@@ -14,6 +14,7 @@ result. Plans import no Ray.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -46,10 +47,12 @@ def _unpack(raw: bytes) -> Rows:
     return rows
 
 
-def linked(topo, rank: int, one_hop: bool = False) -> list[int]:
+@functools.lru_cache(maxsize=512)
+def linked(topo, rank: int, one_hop: bool = False) -> frozenset[int]:
     """The peers ``rank`` sends a message of the round to: its leader, or a leader's members
-    and the other leaders (every rank, in one hop)."""
-    return [m.peer for step in rounds.build(topo, rank, "check", one_hop=one_hop).pieces[0].across for m in step.sends]
+    and the other leaders (every rank, in one hop). Cached: every all-to-all asks per peer."""
+    return frozenset(m.peer for step in rounds.build(topo, rank, "check", one_hop=one_hop).pieces[0].across
+                     for m in step.sends)
 
 
 class Agreement:
