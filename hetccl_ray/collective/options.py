@@ -47,8 +47,9 @@ class GroupOptions:
         hierarchical plan: one host, a fast network), "on" (every call above the small
         round's size) or "off" (``HETCCL_FLAT``).
     one_hop: the small round and the call check in one hop, every rank to every rank (rounds.py),
-        instead of three through the island leaders: for a border whose hops are network
-        latency (a link between buildings); more bytes cross it (``HETCCL_ONE_HOP=1``).
+        instead of three through the island leaders. Only the leaders' hop crosses the border,
+        so it saves the two hops inside the islands: for islands whose own hops are network
+        latency (islands of several nodes); more bytes cross the border (``HETCCL_ONE_HOP=1``).
     compress: lossless compression of float payloads to other islands over TCP: "auto"
         (each link compresses when its measured rate and the codec's speed and ratio say it
         saves time), "on" or "off" (``HETCCL_COMPRESS``; compress/policy.py).

@@ -18,8 +18,9 @@ no torch, no Ray.
 Border bytes (all ranks together; S the buffer, k islands): allgather, reducescatter,
 broadcast, reduce (k-1)S; allreduce k(k-1)S (each island's partial to every other leader).
 
-A group whose border hop is network latency rather than a message's CPU (the ``one_hop``
-option) takes the round in one hop instead: every rank sends every other rank one message,
+A group whose hops inside the islands are network latency rather than a message's CPU
+(islands of several nodes; the ``one_hop`` option) takes the round in one hop instead (the
+border's own hop is one in both): every rank sends every other rank one message,
 its rows and the data that rank needs, and folds (in rank order) or places what it gets.
 Every op's and the check's messages are then that pattern, so a rank that called something
 else is still named on every rank; more bytes cross islands (``schedule.round_bytes``).
