@@ -98,9 +98,10 @@ def test_shaped_link_limits_the_border_and_cleans_up():
     assert not any(name in _namespaces() for name in names)
 
 
-def test_on_a_delayed_border_the_round_in_one_hop_is_faster(monkeypatch):
-    """2 ms each way between islands (tc netem): a small broadcast, checked, in one hop
-    (HETCCL_ONE_HOP=1) beats the three-hop round; every value right both ways."""
+def test_on_a_delayed_border_both_rounds_are_right(monkeypatch):
+    """2 ms each way between islands (tc netem): a small broadcast, checked, by the three-hop
+    round and in one hop (HETCCL_ONE_HOP=1), every value right both ways. Which is faster is
+    the bench's question, not a test's: both cross the border once (docs/design.md)."""
     try:
         check_available()
     except ShapedClusterUnavailable as why:
@@ -113,17 +114,14 @@ def test_on_a_delayed_border_the_round_in_one_hop_is_faster(monkeypatch):
         if "qdisc kind is unknown" in str(exc):
             pytest.skip(f"needs the kernel's netem qdisc (sch_netem) to delay a link: {exc}")
         raise
-    seconds = {}
     try:
         for one_hop in ("0", "1"):
             monkeypatch.setenv("HETCCL_ONE_HOP", one_hop)  # read where the group is made: here
-            spec = bench.BenchSpec(["broadcast"], [1024], iters=5, warmup=1)
+            spec = bench.BenchSpec(["broadcast"], [1024], iters=3, warmup=1)
             frame = bench.run_sweep(cluster.workers(islands), islands, spec, progress=False)
-            assert frame["wrong"].sum() == 0 and frame["plan"].iloc[0] == "round"
-            seconds[one_hop] = frame["time_us"].iloc[0]
+            assert frame["wrong"].sum() == 0 and frame["plan"].iloc[0] == "round", one_hop
     finally:
         cluster.__exit__(None, None, None)
-    assert seconds["1"] < 0.75 * seconds["0"], seconds  # one hop of 2 ms against three
 
 
 @pytest.mark.slow
