@@ -6,9 +6,10 @@ Sizes follow nccl-tests: ``size`` is the whole buffer (for allgather the gathere
 output, for reducescatter the input of all chunks); busbw = algbw x the op's bus factor.
 Both backends run on the same actors, alternating call by call (their order rotating each
 iteration), so ratios are measured side by side; ``time`` is the median call (the slowest
-rank's time) and ``spread`` the p10-p90 range of the calls over it. Bytes that crossed island boundaries are counted for hetccl (border
-counters: payload bytes, and the bytes on the wire where compressed) and derived for gloo
-from its ring over ranks in rank order. ``--compress auto,off`` runs one hetccl group per
+rank's time) and ``spread`` the p10-p90 range of the calls over it; each ratio comes with
+its 90% range (``ratio_range``). Bytes that crossed island boundaries are counted for
+hetccl (border counters: payload bytes, and the bytes on the wire where compressed) and
+derived for gloo from its ring over ranks in rank order. ``--compress auto,off`` runs one hetccl group per
 mode side by side; ``--data grads`` sends real gradients (benchdata.py), as compression
 makes the content matter.
 """
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import pandas as pd
 import ray
 import torch
@@ -290,13 +292,31 @@ def rank_run(groups: dict[str, str], op: str, count: int, dtype_name: str, warmu
     return out
 
 
+def iteration_seconds(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Each iteration's call time: its slowest rank's, in the order the calls ran."""
+    return [max(times) for times in zip(*per_rank)]
+
+
 def call_seconds(per_rank: Sequence[Sequence[float]]) -> tuple[float, float]:
     """The median over iterations of the slowest rank's time, and the spread: (p90 - p10)
     of those iteration times over the median (0.1 = 10%)."""
-    calls = sorted(max(times) for times in zip(*per_rank))
+    calls = sorted(iteration_seconds(per_rank))
     median = calls[len(calls) // 2]
     low, high = calls[int(0.1 * (len(calls) - 1))], calls[-1 - int(0.1 * (len(calls) - 1))]
     return median, (high - low) / median if median else 0.0
+
+
+def ratio_range(slower: Sequence[float], faster: Sequence[float], level: float = 0.9,
+                draws: int = 2000) -> tuple[float, float]:
+    """The ``level`` interval of median(slower) / median(faster) over the iterations, both
+    backends' calls of one iteration resampled together (they ran side by side): a ratio
+    whose interval holds 1.0 is within this machine's noise. A fixed seed: one table, one answer."""
+    pairs, n = np.asarray([slower, faster], dtype=float), len(slower)
+    picks = np.random.default_rng(0).integers(0, n, (draws, n))
+    median = lambda calls: np.sort(calls[picks], axis=1)[:, n // 2]  # noqa: E731 - call_seconds' median
+    ratios = median(pairs[0]) / median(pairs[1])
+    low, high = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -397,9 +417,10 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                                timeout=max(timeout_s, 600))
             taken = {label: ray.get(actors[0].call.remote(plan_taken, groups[label], op, nbytes), timeout=60)
                      for label in labels if label.startswith("hetccl")}
+            calls = {backend: [r[backend]["times_s"] for r in per_rank] for backend in groups}
             for backend in groups:
                 results = [r[backend] for r in per_rank]
-                seconds, spread = call_seconds([r["times_s"] for r in results])
+                seconds, spread = call_seconds(calls[backend])
                 algbw = nbytes / seconds / 1e9
                 hetccl = backend.startswith("hetccl")
                 border = (sum(r["border_bytes"] for r in results) if hetccl
@@ -417,6 +438,13 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                     bound_s = link_seconds(op, topo, nbytes, parse_rate(link_rate))
                     rows[-1]["x_link_bound"] = seconds / bound_s if bound_s else None
                 bar.step(f"{op} {nbytes} B {backend}")
+            cell, first = dict(zip(labels, rows[-len(labels):])), labels[0]
+            for other in labels[1:]:  # how many times faster the first hetccl group is than each other backend
+                key = f"{first}_vs_{other}"
+                low, high = ratio_range(iteration_seconds(calls[other]), iteration_seconds(calls[first]))
+                for row in cell.values():
+                    row.update({key: cell[other]["time_us"] / cell[first]["time_us"], f"{key}_low": low,
+                                f"{key}_high": high})
     frame = pd.DataFrame(rows)
     frame.attrs["lanes"] = lanes
     frame.attrs["model"] = lanes_of[0][1]
@@ -424,11 +452,6 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
         f"{label} {line}" for label in labels if label.startswith("hetccl")
         for lines in ray.get([a.call.remote(compression_report, groups[label], r) for r, a in enumerate(actors)],
                              timeout=max(timeout_s, 60)) for line in lines]
-    wide = frame.pivot_table(index=["op", "size"], columns="backend", values="time_us")
-    for other in labels[1:]:  # how many times faster the first hetccl group is than each other backend
-        frame[f"{labels[0]}_vs_{other}"] = frame.apply(
-            lambda row: wide.loc[(row.op, row["size"]), other] / wide.loc[(row.op, row["size"]), labels[0]],
-            axis=1)
     return frame
 
 
@@ -451,8 +474,8 @@ def format_table(frame: pd.DataFrame) -> str:
             head2 += f" {'/link':>7}"
     others = [b for b in backends[1:] if f"{backends[0]}_vs_{b}" in frame]
     for other in others:
-        head1 += f" | {other + '/' + backends[0]:>11}"
-        head2 += f" | {'(x faster)':>11}"
+        head1 += f" | {other + '/' + backends[0]:>11} {'90% range':>11}"
+        head2 += f" | {'(x faster)':>11} {'(noise)':>11}"
     lines = [head1, head2]
     for op, per_op in frame.groupby("op", sort=False):
         lines.append(f"# {op}  (hetccl border bound: {COLLS[op].bound_text})")
@@ -470,7 +493,8 @@ def format_table(frame: pd.DataFrame) -> str:
                 if linked:
                     line += f" {row['x_link_bound']:>7.2f}" if pd.notna(row["x_link_bound"]) else f" {'-':>7}"
             for other in others:
-                line += f" | {first[f'{backends[0]}_vs_{other}']:>11.2f}"
+                key = f"{backends[0]}_vs_{other}"
+                line += f" | {first[key]:>11.2f} {first[key + '_low']:>5.2f}-{first[key + '_high']:<5.2f}"
             lines.append(line)
     return "\n".join(lines)
 

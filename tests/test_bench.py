@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pandas as pd
 import pytest
 from nbclient import NotebookClient
@@ -27,6 +28,19 @@ def test_sizes_and_layouts():
     assert island_names([2, 2], interleave=True) == ["island0", "island1", "island0", "island1"]
     with pytest.raises(ValueError):
         parse_layout("0x2")
+
+
+def test_ratio_range_tells_noise_from_a_difference():
+    rng = np.random.default_rng(7)
+    assert bench.ratio_range([2.0] * 9, [1.0] * 9) == (2.0, 2.0)
+    twice = rng.normal(2.0, 0.1, 30), rng.normal(1.0, 0.05, 30)
+    low, high = bench.ratio_range(*twice)
+    assert 1.0 < low < 2.0 < high < 3.0  # a real 2x: the range holds it and not 1.0
+    same = rng.lognormal(0, 0.5, 30), rng.lognormal(0, 0.5, 30)
+    low, high = bench.ratio_range(*same)
+    assert low < 1.0 < high  # one distribution: within the noise
+    back = bench.ratio_range(*same[::-1])
+    assert back == pytest.approx((1 / high, 1 / low), rel=0.05)
 
 
 def test_bus_factors_follow_nccl_tests():
@@ -60,6 +74,7 @@ def test_local_sweep_is_correct_and_meets_the_border_bound(local_run):
     flat = hetccl["plan"] == "flat"  # shared memory or Gloo over every rank: nothing crosses the border's sockets
     assert (hetccl["border_bytes"] == hetccl["border_bound"].where(~flat, 0)).all(), hetccl[["op", "size", "plan"]]
     assert (frame["hetccl_vs_gloo"] > 0).all()
+    assert (0 < frame["hetccl_vs_gloo_low"]).all() and (frame["hetccl_vs_gloo_low"] <= frame["hetccl_vs_gloo_high"]).all()
     assert pd.read_csv(csv).shape == frame.shape
 
 
