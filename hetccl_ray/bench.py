@@ -496,6 +496,13 @@ def format_table(frame: pd.DataFrame) -> str:
                 key = f"{backends[0]}_vs_{other}"
                 line += f" | {first[key]:>11.2f} {first[key + '_low']:>5.2f}-{first[key + '_high']:<5.2f}"
             lines.append(line)
+    for other in others:
+        key = f"{backends[0]}_vs_{other}"
+        cells = frame.drop_duplicates(["op", "size"])
+        under, beyond = cells[cells[key] < 1.0], cells[cells[f"{key}_high"] < 1.0]
+        lines.append(f"# {backends[0]} slower than {other}: {len(under)} of {len(cells)} cells, beyond the noise "
+                     f"(90% range under 1.0) {len(beyond)}"
+                     + "".join(f"; {row.op} {row.size} B {row[key]:.2f}" for _, row in beyond.iterrows()))
     return "\n".join(lines)
 
 

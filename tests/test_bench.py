@@ -80,8 +80,12 @@ def test_local_sweep_is_correct_and_meets_the_border_bound(local_run):
 
 def test_table_has_nccl_tests_columns(local_run):
     table = bench.format_table(local_run[0])
-    for column in ("size", "count", "type", "redop", "root", "algbw", "busbw", "#wrong", "gloo/hetccl"):
+    for column in ("size", "count", "type", "redop", "root", "algbw", "busbw", "#wrong", "gloo/hetccl", "90% range"):
         assert column in table
+    cells = local_run[0].drop_duplicates(["op", "size"])
+    under, beyond = (cells["hetccl_vs_gloo"] < 1).sum(), (cells["hetccl_vs_gloo_high"] < 1).sum()
+    assert table.splitlines()[-1].startswith(f"# hetccl slower than gloo: {under} of {len(cells)} cells, beyond "
+                                             f"the noise (90% range under 1.0) {beyond}")
 
 
 def test_shaped_cluster_refuses_clearly_without_iproute2(monkeypatch):
