@@ -502,7 +502,7 @@ def format_table(frame: pd.DataFrame) -> str:
         under, beyond = cells[cells[key] < 1.0], cells[cells[f"{key}_high"] < 1.0]
         lines.append(f"# {backends[0]} slower than {other}: {len(under)} of {len(cells)} cells, beyond the noise "
                      f"(90% range under 1.0) {len(beyond)}"
-                     + "".join(f"; {row.op} {row.size} B {row[key]:.2f}" for _, row in beyond.iterrows()))
+                     + "".join(f"; {row['op']} {row['size']} B {row[key]:.2f}" for _, row in beyond.iterrows()))
     return "\n".join(lines)
 
 

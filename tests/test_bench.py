@@ -86,6 +86,10 @@ def test_table_has_nccl_tests_columns(local_run):
     under, beyond = (cells["hetccl_vs_gloo"] < 1).sum(), (cells["hetccl_vs_gloo_high"] < 1).sum()
     assert table.splitlines()[-1].startswith(f"# hetccl slower than gloo: {under} of {len(cells)} cells, beyond "
                                              f"the noise (90% range under 1.0) {beyond}")
+    slow = local_run[0].copy()
+    size = slow.loc[slow["op"] == "broadcast", "size"].min()
+    slow.loc[(slow["op"] == "broadcast") & (slow["size"] == size), ["hetccl_vs_gloo", "hetccl_vs_gloo_high"]] = 0.6, 0.8
+    assert f"; broadcast {size} B 0.60" in bench.format_table(slow).splitlines()[-1]  # a loss beyond the noise, named
 
 
 def test_shaped_cluster_refuses_clearly_without_iproute2(monkeypatch):
