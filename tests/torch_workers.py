@@ -210,7 +210,9 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, isl
     os.environ["HETCCL_ISLAND"] = island
     if emulated:  # this rank's tensors are emulated device memory (devices.py's FAKE)
         os.environ["HETCCL_EMULATED_DEVICE"] = "0.002"
-    import hetccl_ray  # noqa: F401 - registers the "hetccl" torch backend
+    import hetccl_ray
+
+    hetccl_ray.register()  # the "hetccl" torch backend (importing registers it; said here, not implied)
 
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
