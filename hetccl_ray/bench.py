@@ -9,9 +9,9 @@ iteration), so ratios are measured side by side; ``time`` is the median call (th
 rank's time) and ``spread`` the p10-p90 range of the calls over it; each ratio comes with
 its 90% range (``ratio_range``). Bytes that crossed island boundaries are counted for
 hetccl (border counters: payload bytes, and the bytes on the wire where compressed) and
-derived for gloo from its ring over ranks in rank order. ``--compress auto,off`` runs one hetccl group per
-mode side by side; ``--data grads`` sends real gradients (benchdata.py), as compression
-makes the content matter.
+derived for gloo from its ring over ranks in rank order. ``--compress auto,off`` runs one
+hetccl group per mode side by side; ``--data grads`` sends real gradients (benchdata.py),
+as compression makes the content matter.
 """
 
 from __future__ import annotations
@@ -496,9 +496,9 @@ def format_table(frame: pd.DataFrame) -> str:
                 key = f"{backends[0]}_vs_{other}"
                 line += f" | {first[key]:>11.2f} {first[key + '_low']:>5.2f}-{first[key + '_high']:<5.2f}"
             lines.append(line)
+    cells = frame.drop_duplicates(["op", "size"])
     for other in others:
         key = f"{backends[0]}_vs_{other}"
-        cells = frame.drop_duplicates(["op", "size"])
         under, beyond = cells[cells[key] < 1.0], cells[cells[f"{key}_high"] < 1.0]
         lines.append(f"# {backends[0]} slower than {other}: {len(under)} of {len(cells)} cells, beyond the noise "
                      f"(90% range under 1.0) {len(beyond)}"
