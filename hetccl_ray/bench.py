@@ -297,10 +297,10 @@ def iteration_seconds(per_rank: Sequence[Sequence[float]]) -> list[float]:
     return [max(times) for times in zip(*per_rank)]
 
 
-def call_seconds(per_rank: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """The median over iterations of the slowest rank's time, and the spread: (p90 - p10)
-    of those iteration times over the median (0.1 = 10%)."""
-    calls = sorted(iteration_seconds(per_rank))
+def call_seconds(iterations: Sequence[float]) -> tuple[float, float]:
+    """The median of the iterations' call times (:func:`iteration_seconds`), and the spread:
+    (p90 - p10) of them over the median (0.1 = 10%)."""
+    calls = sorted(iterations)
     median = calls[len(calls) // 2]
     low, high = calls[int(0.1 * (len(calls) - 1))], calls[-1 - int(0.1 * (len(calls) - 1))]
     return median, (high - low) / median if median else 0.0
@@ -417,7 +417,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                                timeout=max(timeout_s, 600))
             taken = {label: ray.get(actors[0].call.remote(plan_taken, groups[label], op, nbytes), timeout=60)
                      for label in labels if label.startswith("hetccl")}
-            calls = {backend: [r[backend]["times_s"] for r in per_rank] for backend in groups}
+            calls = {backend: iteration_seconds([r[backend]["times_s"] for r in per_rank]) for backend in groups}
             for backend in groups:
                 results = [r[backend] for r in per_rank]
                 seconds, spread = call_seconds(calls[backend])
@@ -441,7 +441,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
             cell, first = dict(zip(labels, rows[-len(labels):])), labels[0]
             for other in labels[1:]:  # how many times faster the first hetccl group is than each other backend
                 key = f"{first}_vs_{other}"
-                low, high = ratio_range(iteration_seconds(calls[other]), iteration_seconds(calls[first]))
+                low, high = ratio_range(calls[other], calls[first])
                 for row in cell.values():
                     row.update({key: cell[other]["time_us"] / cell[first]["time_us"], f"{key}_low": low,
                                 f"{key}_high": high})
