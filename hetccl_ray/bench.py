@@ -32,6 +32,8 @@ from ray.util import collective as col
 
 import hetccl_ray
 from hetccl_ray.benchdata import DATA, rank_data
+from hetccl_ray.collective import opkinds
+from hetccl_ray.collective.opkinds import OpKind
 from hetccl_ray.compress.policy import MODES as COMPRESS_MODES
 from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout, place_workers
 from hetccl_ray.transport.choice import TRANSPORTS
@@ -65,34 +67,41 @@ def sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
 @dataclass(frozen=True)
 class Coll:
     """One op of the bench, as nccl-tests' ``testColl``: how its buffers are made, how it is
-    called, what it must leave, its bus factor and the border bytes a flat ring and the
-    design's bound move. The harness never branches on the op's name.
+    called, what it must leave, and the border bytes a flat ring moves; its shape, bus factor
+    and border bound are the op's row of the op-kind table (``opkinds``). The harness never
+    branches on the op's name.
 
-    ``chunked``: the size splits into one chunk per rank; ``reduces``: a sum; ``rooted``:
-    rank 0 is the root. ``make(count, chunk, x)`` gives (input, output) from the rank's
-    data ``x`` of ``count`` (``chunk`` = count / world); ``call(group, x, out)`` one call;
-    ``got(x, out, world)`` the tensors to check; ``want(inputs, rank)`` their values from every
-    rank's input (and ``reduces``: rank 0 only for reduce). ``ring``: per ring hop, the share
-    of S it carries and whether the ring wraps around (None: flat, it crosses once).
-    ``asks``: the group op whose plan this op takes, per size (default: the same name)."""
+    ``make(count, chunk, x)`` gives (input, output) from the rank's data ``x`` of ``count``
+    (``chunk`` = count / world); ``call(group, x, out)`` one call; ``got(x, out, world)`` the
+    tensors to check; ``want(inputs, rank)`` their values from every rank's input (rank 0 only
+    for reduce). ``ring``: per ring hop, the share of S it carries and whether the ring wraps
+    around (None: flat, it crosses once). ``asks``: the group op whose plan this op takes, per
+    size (default: the same name); ``crossings``/``crossings_text``: the bound of a pattern the
+    table has none for (the ring of sends)."""
 
     name: str
-    bus: Callable[[int], float]
     make: Callable[[torch.Tensor, int], tuple]
     call: Callable[[str, int, int, torch.Tensor, Any], Callable[[], None]]
     got: Callable[[torch.Tensor, Any, int], list]
     want: Callable[[list, int, int], list]
     ring: Optional[tuple[Callable[[int], float], bool]]
-    bound: Callable[[Topology, int], int]
-    bound_text: str
-    chunked: bool = False
-    reduces: bool = False
-    rooted: bool = False
     asks: str = ""
+    crossings: Optional[Callable[[Topology, int], int]] = None
+    crossings_text: str = ""
 
+    @property
+    def kind(self) -> OpKind:
+        return opkinds.kind(self.asks or self.name)
 
-def _islands_bound(factor: int) -> Callable[[Topology, int], int]:
-    return lambda topo, nbytes: factor * (len(topo.islands) - 1) * nbytes
+    def bus(self, world: int) -> float:
+        return self.kind.bus(world)
+
+    def bound(self, topo: Topology, nbytes: int) -> int:
+        return self.crossings(topo, nbytes) if self.crossings else self.kind.bound(topo, nbytes)
+
+    @property
+    def bound_text(self) -> str:
+        return self.crossings_text or self.kind.bound_text
 
 
 def _cross_pairs(topo: Topology) -> list[tuple[int, int]]:
@@ -139,33 +148,26 @@ _RING = (lambda n: 2 * (n - 1) / n, True)
 _HALF_RING = (lambda n: (n - 1) / n, True)
 _CHAIN = (lambda n: 1.0, False)
 COLLS = {c.name: c for c in (
-    Coll("allreduce", lambda n: 2 * (n - 1) / n, lambda x, w: (x, None),
+    Coll("allreduce", lambda x, w: (x, None),
          lambda g, w, r, x, out: lambda: col.allreduce(x, group_name=g), lambda x, out, w: [x],
-         lambda inputs, w, r: _summed(inputs), _RING, _islands_bound(2), "2(k-1)S", reduces=True),
-    Coll("reducescatter", lambda n: (n - 1) / n, lambda x, w: (torch.zeros_like(x.chunk(w)[0]), list(x.chunk(w))),
+         lambda inputs, w, r: _summed(inputs), _RING),
+    Coll("reducescatter", lambda x, w: (torch.zeros_like(x.chunk(w)[0]), list(x.chunk(w))),
          lambda g, w, r, x, out: lambda: col.reducescatter(x, out, group_name=g), lambda x, out, w: [x],
-         lambda inputs, w, r: _summed([x.chunk(w)[r] for x in inputs]), _HALF_RING, _islands_bound(1), "(k-1)S",
-         chunked=True, reduces=True),
-    Coll("allgather", lambda n: (n - 1) / n, lambda x, w: (x.chunk(w)[0].clone(), [torch.zeros_like(x.chunk(w)[0])
-                                                                                  for _ in range(w)]),
+         lambda inputs, w, r: _summed([x.chunk(w)[r] for x in inputs]), _HALF_RING),
+    Coll("allgather", lambda x, w: (x.chunk(w)[0].clone(), [torch.zeros_like(x.chunk(w)[0]) for _ in range(w)]),
          lambda g, w, r, x, out: lambda: col.allgather(out, x, group_name=g), lambda x, out, w: out,
-         lambda inputs, w, r: _moved([x.chunk(w)[0] for x in inputs]), _HALF_RING, _islands_bound(1), "(k-1)S",
-         chunked=True),
-    Coll("broadcast", lambda n: 1.0, lambda x, w: (x, None),
+         lambda inputs, w, r: _moved([x.chunk(w)[0] for x in inputs]), _HALF_RING),
+    Coll("broadcast", lambda x, w: (x, None),
          lambda g, w, r, x, out: lambda: col.broadcast(x, src_rank=0, group_name=g), lambda x, out, w: [x],
-         lambda inputs, w, r: _moved(inputs[:1]), _CHAIN, _islands_bound(1), "(k-1)S", rooted=True),
-    Coll("reduce", lambda n: 1.0, lambda x, w: (x, None),
+         lambda inputs, w, r: _moved(inputs[:1]), _CHAIN),
+    Coll("reduce", lambda x, w: (x, None),
          lambda g, w, r, x, out: lambda: col.reduce(x, dst_rank=0, group_name=g), lambda x, out, w: [x],
-         lambda inputs, w, r: _summed(inputs) if r == 0 else [], _CHAIN, _islands_bound(1), "(k-1)S",
-         reduces=True, rooted=True),
-    Coll("sendrecv", lambda n: 1.0, lambda x, w: (x, torch.empty_like(x)), _sendrecv_call, lambda x, out, w: [out],
-         lambda inputs, w, r: _moved([inputs[(r - 1) % w]]), (lambda n: 1.0, True), _ring_crossings,
-         "S per ring hop that crosses islands", asks="send"),
-    Coll("alltoall", lambda n: (n - 1) / n, lambda x, w: (x, torch.zeros_like(x)), _alltoall_call,
-         lambda x, out, w: list(out.chunk(w)),
-         lambda inputs, w, r: _moved([x.chunk(w)[r] for x in inputs]), None,
-         lambda topo, nbytes: nbytes // topo.world_size * len(_cross_pairs(topo)),
-         "S/n per ordered pair of ranks in different islands (S per rank)", chunked=True),
+         lambda inputs, w, r: _summed(inputs) if r == 0 else [], _CHAIN),
+    Coll("sendrecv", lambda x, w: (x, torch.empty_like(x)), _sendrecv_call, lambda x, out, w: [out],
+         lambda inputs, w, r: _moved([inputs[(r - 1) % w]]), (lambda n: 1.0, True), asks="send",
+         crossings=_ring_crossings, crossings_text="S per ring hop that crosses islands"),
+    Coll("alltoall", lambda x, w: (x, torch.zeros_like(x)), _alltoall_call, lambda x, out, w: list(out.chunk(w)),
+         lambda inputs, w, r: _moved([x.chunk(w)[r] for x in inputs]), None),
 )}
 OPS = tuple(COLLS)
 
@@ -244,7 +246,7 @@ def _wrong(coll: Coll, world: int, rank: int, count: int, dtype: torch.dtype, go
     for g, (w, scale) in zip(got, coll.want(inputs, world, rank)):
         w = w.to(dtype).to(torch.float64)  # overflows and wraps as the dtype does
         g = g.to(torch.float64)
-        if coll.reduces and dtype.is_floating_point:
+        if coll.kind.reduces and dtype.is_floating_point:
             info = torch.finfo(dtype)
             close = ((g - w).abs() <= world * info.eps * scale) | (g == w)
             near_overflow = scale >= info.max / 2  # partial sums may round to inf in another order
@@ -409,7 +411,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     for op in spec.ops:
         for size in spec.sizes:
             coll = COLLS[op]
-            unit = itemsize * (world if coll.chunked else 1)
+            unit = itemsize * (world if coll.kind.chunked else 1)
             count = max(size // unit, 1) * unit // itemsize
             nbytes = count * itemsize
             per_rank = ray.get([a.call.remote(rank_run, groups, op, count, spec.dtype, spec.warmup, spec.iters,
@@ -427,8 +429,8 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                           else ring_border_bytes(op, island_of_rank, nbytes))
                 wire = sum(r["wire_bytes"] for r in results) if hetccl else border
                 rows.append({"op": op, "size": nbytes, "count": count, "type": spec.dtype,
-                             "redop": "sum" if coll.reduces else "none",
-                             "root": 0 if coll.rooted else -1, "backend": backend,
+                             "redop": "sum" if coll.kind.reduces else "none",
+                             "root": 0 if coll.kind.rooted else -1, "backend": backend,
                              "time_us": seconds * 1e6, "spread": spread, "algbw": algbw, "busbw": algbw * bus_factor(op, world),
                              "wrong": sum(r["wrong"] for r in results), "border_bytes": border,
                              "wire_bytes": wire, "wire_ratio": wire / border if border else None,

@@ -12,12 +12,13 @@ import argparse
 from typing import Optional, Sequence
 
 from hetccl_ray.collective import rounds, routes, schedule
+from hetccl_ray.collective.opkinds import ROUND_OPS, kind, largest_region, pieces as piece_count
 from hetccl_ray.topology import Topology
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
 
-OPS = (*schedule.OPS, "alltoall")
+OPS = (*ROUND_OPS, "alltoall")
 
 
 def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int = 0,
@@ -25,28 +26,27 @@ def explain(topo: Topology, op: str, nbytes: int, itemsize: int = 4, root: int =
     """Lines describing ``op`` on a buffer of ``nbytes`` (nccl-tests' size; all-to-all: each
     rank's input, S/n to every rank): the plan's pieces, bytes per cross-island link and in
     all against the bound, the small round's border bytes; with ``steps``, every rank's steps."""
-    world = topo.world_size
-    unit = itemsize * (world if op in ("allgather", "reducescatter", "alltoall") else 1)
+    world, op_kind = topo.world_size, kind(op)
+    unit = itemsize * (world if op_kind.chunked else 1)
     n = max(nbytes // unit, 1) * unit // itemsize
     size = n * itemsize
     if op == "alltoall":  # the routes of device buffers (host blocks go straight: the same border bytes)
         counts = ((n // world,) * world,) * world
-        pieces = schedule.piece_count(routes.largest_crossing(topo, counts) * itemsize, piece_bytes)
-        plans, bound, text = ([routes.plan(topo, r, counts, pieces, True) for r in range(world)],
-                              routes.across_bytes(topo, counts, itemsize), "what crosses, once")
+        pieces = piece_count(routes.largest_crossing(topo, counts) * itemsize, piece_bytes)
+        plans = [routes.plan(topo, r, counts, pieces, True) for r in range(world)]
     else:
-        pieces = schedule.piece_count(schedule.largest_region(topo, op, n) * itemsize, piece_bytes)
+        pieces = piece_count(largest_region(topo, op, n) * itemsize, piece_bytes)
         plans = [schedule.build(topo, r, op, n, root, pieces) for r in range(world)]
-        bound, text = schedule.bound(topo, op, size), "2(k-1)S" if op == "allreduce" else "(k-1)S"
+    bound = op_kind.bound(topo, size)
     sent = sum(sum(p.sent(topo).values()) for p in plans) * itemsize
     lines = [topo.describe(), f"{op} of {size:,} B ({n:,} elements of {itemsize} B)"
-             + (f", root {root}" if op in schedule.ROOTED else ""),
+             + (f", root {root}" if op_kind.rooted else ""),
              f"{'routes' if op == 'alltoall' else 'hierarchical'} plan: {len(plans[0].pieces)} piece(s); "
-             f"border bytes {sent:,} = bound {bound:,} ({text})"]
+             f"border bytes {sent:,} = bound {bound:,} ({op_kind.bound_text})"]
     for p in plans:
         for peer, elements in sorted(p.sent(topo).items()):
             lines.append(f"  link rank {p.rank} -> rank {peer}: {elements * itemsize:,} B")
-    small = [rounds.build(topo, r, op, n, root) for r in range(world)] if op in rounds.OPS else []
+    small = [rounds.build(topo, r, op, n, root) for r in range(world)] if op_kind.round else []
     if small:
         lines.append(f"small round (3 hops, call rows inside): border bytes "
                      f"{sum(sum(r.sent(topo).values()) for r in small) * itemsize:,}; in one hop "

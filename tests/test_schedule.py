@@ -3,8 +3,12 @@ and the steps of every rank pair up (what one rank sends a peer, that peer recei
 
 import pytest
 
-from hetccl_ray.collective import rounds, routes, schedule
+from hetccl_ray.collective import opkinds, rounds, routes, schedule
+from hetccl_ray.collective.opkinds import ROUND_OPS
 from hetccl_ray.topology import Topology
+
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")  # written out: the table is under test
+ROOTED = ("broadcast", "reduce")
 
 LAYOUTS = {
     "2x2": ["a", "a", "b", "b"],
@@ -19,21 +23,47 @@ def _count(topo: Topology, op: str, chunk: int) -> int:
     return chunk * (topo.world_size if op in ("allgather", "reducescatter") else 1)
 
 
+def _bound(topo: Topology, op: str, nbytes: int) -> int:
+    """The design's bound, written out: 2(k-1)S for allreduce, (k-1)S for the others."""
+    return (2 if op == "allreduce" else 1) * (len(topo.islands) - 1) * nbytes
+
+
+def test_the_op_kind_table():
+    """Its rows against the values written out: shapes, bus factors, bounds, sizes, pieces."""
+    assert ROUND_OPS == OPS
+    assert [op for op, k in opkinds.OP_KINDS.items() if k.rooted] == ["broadcast", "reduce", "gather", "scatter"]
+    assert [op for op, k in opkinds.OP_KINDS.items() if k.chunked] == ["reducescatter", "allgather", "alltoall"]
+    assert [op for op, k in opkinds.OP_KINDS.items() if k.reduces] == ["allreduce", "reducescatter", "reduce"]
+    assert [opkinds.kind(op).bus(4) for op in OPS] == [1.5, 0.75, 0.75, 1.0, 1.0]
+    topo = Topology.from_islands(LAYOUTS["1+2+3 interleaved"])
+    for op in OPS:
+        assert opkinds.kind(op).bound(topo, 600) == _bound(topo, op, 600)
+    # all-to-all: S/n per ordered pair across islands; 1+2+3 has 36 - (1 + 4 + 9) = 22 pairs
+    assert opkinds.kind("alltoall").bound(topo, 600) == 100 * 22
+    assert opkinds.kind("allgather").whole_bytes(8, 6) == 48 and opkinds.kind("allreduce").whole_bytes(8, 6) == 8
+    assert [opkinds.pieces(b, 4) for b in (0, 1, 4, 5, 9)] == [1, 1, 1, 2, 3] and opkinds.pieces(9, None) == 1
+    assert opkinds.largest_region(topo, "allgather", 60) == 30 and opkinds.largest_region(topo, "allreduce", 60) == 60
+    with pytest.raises(ValueError, match="no border bound"):
+        opkinds.kind("send").bound(topo, 8)
+    with pytest.raises(ValueError, match="unknown op 'allsum'"):
+        opkinds.kind("allsum")
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("op", schedule.OPS)
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
 @pytest.mark.parametrize("pieces", [1, 3])
 @pytest.mark.parametrize("max_lanes", [None, 1])
 def test_border_bytes_equal_the_bound(layout, op, chunk, pieces, max_lanes):
     topo = Topology.from_islands(LAYOUTS[layout], max_lanes)
     n = _count(topo, op, chunk)
-    for root in (range(topo.world_size) if op in schedule.ROOTED else [0]):
+    for root in (range(topo.world_size) if op in ROOTED else [0]):
         sent = schedule.border_bytes(topo, op, n, 4, root, pieces)
-        assert sent == schedule.bound(topo, op, n * 4), (op, root)
+        assert sent == _bound(topo, op, n * 4), (op, root)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("op", schedule.OPS)
+@pytest.mark.parametrize("op", OPS)
 def test_moves_pair_up(layout, op):
     """Per piece and border step, rank a's sends to b are b's receives from a, span lengths alike."""
     topo = Topology.from_islands(LAYOUTS[layout])
@@ -111,7 +141,7 @@ def test_two_hop_broadcast_sends_the_bound_and_reaches_every_rank_once(layout):
     world = topo.world_size
     for root in range(world):
         plans = [schedule.two_hop_broadcast(topo, r, 5, root) for r in range(world)]
-        assert sum(sum(p.sent(topo).values()) for p in plans) == schedule.bound(topo, "broadcast", 5)
+        assert sum(sum(p.sent(topo).values()) for p in plans) == _bound(topo, "broadcast", 5)
         sends = [(p.rank, m.peer, s) for p in plans for s, step in enumerate(p.pieces[0].across) for m in step.sends]
         recvs = [(m.peer, p.rank, s) for p in plans for s, step in enumerate(p.pieces[0].across) for m in step.recvs]
         assert sorted(src_dst[:2] for src_dst in sends) == sorted(src_dst[:2] for src_dst in recvs)
@@ -136,7 +166,7 @@ def _rounds(topo: Topology, op: str, n: int, root: int, one_hop: bool = False) -
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("op", rounds.OPS)
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("chunk", [0, 1, 7])
 @pytest.mark.parametrize("one_hop", [False, True])
 def test_round_bytes_and_messages(layout, op, chunk, one_hop):
@@ -146,7 +176,7 @@ def test_round_bytes_and_messages(layout, op, chunk, one_hop):
     topo = Topology.from_islands(LAYOUTS[layout])
     n = _count(topo, op, chunk)
     check = _rounds(topo, "check", 0, 0, one_hop)
-    for root in (range(topo.world_size) if op in schedule.ROOTED else [0]):
+    for root in (range(topo.world_size) if op in ROOTED else [0]):
         built = _rounds(topo, op, n, root, one_hop)
         promised = schedule.round_bytes(topo, op, n * 4, root, one_hop)
         assert sum(sum(r.sent(topo).values()) for r in built) * 4 == promised, (op, root)

@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from hetccl_ray.collective.opkinds import ROUND_OPS as OPS, kind
 from hetccl_ray.topology import Topology
-
-OPS = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter")  # the small round's ops, and the flat library's
 TREE_HOPS = 3
 MAX_SMALL_BYTES = 4 << 20  # a leader holds whole buffers: above this the island plans run regardless
 _RATE_RANGE = (10e6, 10e9)  # bytes/s a noisy probe may report; outside it the slope was noise
@@ -77,7 +76,7 @@ def tree_busiest(op: str, topo: Topology, one_hop: bool = False) -> float:
         raise ValueError(f"no cost model for {op!r} by the small round; ops: {', '.join(OPS)}")
     n = topo.world_size
     if one_hop:
-        return (n - 1) / n if op in ("allgather", "reducescatter") else float(n - 1)
+        return (n - 1) / n if kind(op).chunked else float(n - 1)
     return _shape(op, topo)[1]
 
 
@@ -133,9 +132,9 @@ def _flat_shape(op: str, n: int) -> tuple[int, float]:
     as one direct exchange (island.py builds them from send/recv)."""
     if op == "allreduce":
         return 2 * (n - 1), 2 * (n - 1) / n
-    if op in ("broadcast", "reduce"):
+    if kind(op).rooted:
         return 1, float(n - 1)
-    if op in ("allgather", "reducescatter"):
+    if kind(op).chunked:
         return 1, (n - 1) / n
     raise ValueError(f"no cost model for {op!r}; ops: {', '.join(OPS)}")
 

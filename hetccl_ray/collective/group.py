@@ -25,13 +25,14 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
 from hetccl_ray import devices
-from hetccl_ray.collective import plans, planner, rounds, shm, tree
+from hetccl_ray.collective import plans, planner, shm, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import ROW_WIDTH, Call
 from hetccl_ray.collective.checks import ArgumentChecks
 from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
+from hetccl_ray.collective.opkinds import kind
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
 from hetccl_ray.buffers import copy, overlap
@@ -332,8 +333,9 @@ class HetCCLGroup(BaseGroup):
                   ahead: Optional[Sequence[torch.Tensor]]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
         problem = None
-        small = call.op in rounds.OPS  # a collective the round and the flat plan can run
-        plan = self.plan_of(call.op, self._whole_bytes(call)) if small else None
+        small = kind(call.op).round  # a collective the round and the flat plan can run
+        plan = self.plan_of(call.op, kind(call.op).whole_bytes(call.numel * call.dtype.itemsize,
+                                                               self.world_size)) if small else None
         by_round = plan in (planner.ROUND, planner.TWO_HOP)  # the small plans
         if before is not None:
             ctx.launch(before)
@@ -396,11 +398,6 @@ class HetCCLGroup(BaseGroup):
             for host, t in zip(hosts, staged):
                 ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)
         return problem
-
-    def _whole_bytes(self, call: Call) -> int:
-        """A call's buffer in nccl-tests' size (allgather's output, reducescatter's input)."""
-        per_rank = call.numel * call.dtype.itemsize
-        return per_rank * (self.world_size if call.op in ("allgather", "reducescatter") else 1)
 
     def _explain(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:
         """The error to raise: what failed, where, and which ranks did not arrive."""

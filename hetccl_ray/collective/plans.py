@@ -26,7 +26,7 @@ from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
-from hetccl_ray.collective import routes, schedule, tree
+from hetccl_ray.collective import opkinds, routes, schedule, tree
 from hetccl_ray.buffers import copy, view
 from hetccl_ray.collective.calls import on_host
 from hetccl_ray.collective.island import IslandComm
@@ -54,7 +54,7 @@ def plan_for(ctx: PlanContext, op: str, buf: torch.Tensor, root: int = 0) -> sch
     plan (one island of every rank, in island-major order) where the planner chose it."""
     if ctx.flat is not None:
         return schedule.flat(ctx.topo, ctx.rank, op, buf.numel(), root)
-    largest = schedule.largest_region(ctx.topo, op, buf.numel()) * buf.element_size()
+    largest = opkinds.largest_region(ctx.topo, op, buf.numel()) * buf.element_size()
     return schedule.build(ctx.topo, ctx.rank, op, buf.numel(), root, ctx.pieces(largest))
 
 

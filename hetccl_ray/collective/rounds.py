@@ -31,10 +31,9 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from hetccl_ray.collective.opkinds import ROUND_OPS, kind
 from hetccl_ray.collective.schedule import BorderStep, Land, Move, Piece, Plan, Ref
 from hetccl_ray.topology import Topology
-
-OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")  # and "check": rows only
 
 
 def slot(phase: str, peer: int) -> str:
@@ -46,9 +45,9 @@ def build(topo: Topology, rank: int, op: str, n: int = 0, root: int = 0, one_hop
     """Rank ``rank``'s round of ``op`` over ``n`` elements (allgather/reducescatter: the whole
     island-major buffer); ``check`` moves rows only; ``one_hop``: the round in one hop. Cached
     per call pattern."""
-    if op not in OPS and op != "check":
-        raise ValueError(f"no round for {op!r}; ops: {', '.join(OPS)}")
-    return _build(topo, rank, op, n, root if op in ("broadcast", "reduce") else 0, one_hop)
+    if op not in ROUND_OPS and op != "check":
+        raise ValueError(f"no round for {op!r}; ops: {', '.join(ROUND_OPS)}, check")
+    return _build(topo, rank, op, n, root if op != "check" and kind(op).rooted else 0, one_hop)
 
 
 @functools.lru_cache(maxsize=512)

@@ -22,6 +22,7 @@ import torch
 
 from hetccl_ray import buffers
 from hetccl_ray.buffers import combine, copy, view
+from hetccl_ray.collective import opkinds
 from hetccl_ray.collective.calls import all_host
 from hetccl_ray.collective.island import IslandComm
 from hetccl_ray.collective.schedule import BUF, BorderStep, IslandStep, Land, Move, Plan, Span, Step
@@ -94,9 +95,7 @@ class PlanContext:
 
     def pieces(self, largest_bytes: int) -> int:
         """Pieces of ``piece_bytes`` for the largest region (one without a pipeline thread)."""
-        if self.pipeline is None:
-            return 1
-        return max(-(-largest_bytes // self.piece_bytes), 1)
+        return opkinds.pieces(largest_bytes, self.piece_bytes if self.pipeline is not None else None)
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[Recv],
                  border: Optional[Border] = None) -> None:

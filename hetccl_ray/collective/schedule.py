@@ -16,7 +16,7 @@ rank, so a plan can be printed and its border bytes checked without a cluster
 island by island (``Topology.regions``).
 
 Border bytes, all ranks together, S the buffer (nccl-tests' size), k islands:
-allreduce 2(k-1)S; reducescatter, allgather, broadcast, reduce (k-1)S (``bound``).
+allreduce 2(k-1)S; reducescatter, allgather, broadcast, reduce (k-1)S (``opkinds``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from hetccl_ray.collective.opkinds import ROUND_OPS, kind
 from hetccl_ray.topology import Topology, split
 
 Span = tuple[int, int]  # (offset, length) in elements of a buffer: the op's ``buf`` unless named
 Ref = tuple[str, int, int]  # (buffer name, offset, length): a span of a named buffer
 BUF = "buf"
-OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")
-ROOTED = ("broadcast", "reduce")
 
 
 @dataclass(frozen=True)
@@ -162,25 +161,12 @@ def lane_part(span: Span, lanes: int, lane: int) -> Span:
     return piece_of(span, lane, lanes)
 
 
-def piece_count(largest_bytes: int, piece_bytes: Optional[int]) -> int:
-    """Pieces of at most ``piece_bytes`` for the largest region (one without pipelining)."""
-    return max(-(-largest_bytes // piece_bytes), 1) if piece_bytes else 1
-
-
-def largest_region(topo: Topology, op: str, n: int) -> int:
-    """Elements of the largest region a plan pipelines: an island's chunks, or the buffer."""
-    if op in ("allgather", "reducescatter"):
-        chunk = n // topo.world_size
-        return max(island.size for island in topo.islands) * chunk
-    return n
-
-
 def build(topo: Topology, rank: int, op: str, n: int, root: int = 0, pieces: int = 1) -> Plan:
     """Rank ``rank``'s plan of ``op`` over ``n`` elements (allgather/reducescatter: the whole
     island-major buffer of world chunks), in ``pieces`` pieces. Cached per call pattern."""
-    if op not in OPS:
-        raise ValueError(f"no plan for {op!r}; ops: {', '.join(OPS)}")
-    return _build(topo, rank, op, n, root if op in ROOTED else 0, pieces if len(topo.islands) > 1 else 1)
+    if op not in ROUND_OPS:
+        raise ValueError(f"no plan for {op!r}; ops: {', '.join(ROUND_OPS)}")
+    return _build(topo, rank, op, n, root if kind(op).rooted else 0, pieces if len(topo.islands) > 1 else 1)
 
 
 @functools.lru_cache(maxsize=512)
@@ -361,13 +347,6 @@ def flat(topo: Topology, rank: int, op: str, n: int, root: int = 0) -> Plan:
     return build(Topology.from_islands(["flat"] * len(order)), order.index(rank), op, n, order.index(root))
 
 
-def bound(topo: Topology, op: str, nbytes: int) -> int:
-    """The fewest bytes ``op`` must move across island boundaries, all ranks together, for a
-    buffer of ``nbytes`` (nccl-tests' size: allgather's output, reducescatter's input)."""
-    k = len(topo.islands)
-    return (2 if op == "allreduce" else 1) * (k - 1) * nbytes
-
-
 def round_bytes(topo: Topology, op: str, nbytes: int, root: int = 0, one_hop: bool = False) -> int:
     """Border bytes of the small round (rounds.py): the bound, except allreduce, whose island
     partials go to every other island's leader: k(k-1)S. In one hop, every rank's data to
@@ -375,8 +354,8 @@ def round_bytes(topo: Topology, op: str, nbytes: int, root: int = 0, one_hop: bo
     ranks outside its island)."""
     k, n = len(topo.islands), topo.world_size
     if not one_hop:
-        return k * (k - 1) * nbytes if op == "allreduce" else bound(topo, op, nbytes)
-    if op in ROOTED:
+        return k * (k - 1) * nbytes if op == "allreduce" else kind(op).bound(topo, nbytes)
+    if kind(op).rooted:
         return (n - topo.island_of(root).size) * nbytes
     crossing = n * n - sum(island.size ** 2 for island in topo.islands)  # ordered pairs across islands
     return crossing * nbytes // (1 if op == "allreduce" else n)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from hetccl_ray.buffers import combine, copy, view
 from hetccl_ray.collective.island import ranges
+from hetccl_ray.collective.opkinds import pieces
 from hetccl_ray.collective.schedule import Span, piece_of
 from hetccl_ray.errors import HetCCLError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.topology import split
@@ -347,7 +348,7 @@ class ShmLibrary:
     @staticmethod
     def _count(nbytes: int) -> int:
         """Pieces of at most ``PIECE_BYTES`` for ``nbytes`` (one for none)."""
-        return max(-(-nbytes // PIECE_BYTES), 1)
+        return pieces(nbytes, PIECE_BYTES)
 
     # -- the ops ------------------------------------------------------------------------------------
 
