@@ -27,6 +27,9 @@ from tests.cases import values
 MIXED = [("gpu", 0), ("cpu", 0), ("gpu", 1), ("cpu", 1)]  # interleaved: GPU, CPU, GPU, CPU
 GPUS = [("gpu", 0), ("gpu", 1), ("gpu", 2)]  # one island of emulated devices: the vendor fast path
 SPLIT = [("gpu", 2), ("cpu", 0), ("cpu", 1)]  # rank 1 forced into the gpu island: devices disagree
+ONE = [("gpu", 0), ("gpu", 1), ("cpu", 0)]  # one island: rank 2 (a CPU actor) forced into the gpu island
+PAIR = [("gpu", 2), ("cpu", 1)]  # one island of two: rank 1 (CPU) forced in
+MISMATCH_TIMEOUT_S = 20  # those two groups' deadline: a mismatch must be named well before it
 SMALL_BYTES, PIECE_BYTES = 16384, 8192
 SIZES = [7, 5000]  # 28 B takes the small round (staged), 20 KB the plans in 3 pieces
 
@@ -40,10 +43,12 @@ def actors():
     cluster, actors = test_cluster.start({"gpu": 3, "cpu": 2})
     assert ray.get([a.call.remote(_emulate) for a in actors["gpu"]]) == ["emu"] * 3
     options = dict(timeout_s=60, small_bytes=SMALL_BYTES, piece_bytes=PIECE_BYTES)
-    for name, picks, extra in (("mixed", MIXED, {}), ("gpus", GPUS, {}), ("split", SPLIT, {"islands": {1: "gpu"}})):
+    for name, picks, extra in (("mixed", MIXED, {}), ("gpus", GPUS, {}), ("split", SPLIT, {"islands": {1: "gpu"}}),
+                               ("one", ONE, {"islands": {2: "gpu"}, "timeout_s": MISMATCH_TIMEOUT_S}),
+                               ("pair", PAIR, {"islands": {1: "gpu"}, "timeout_s": MISMATCH_TIMEOUT_S})):
         members = [actors[island][i] for island, i in picks]
         hetccl_ray.create_collective_group(members, len(members), list(range(len(members))), group_name=name,
-                                           **options, **extra)
+                                           **{**options, **extra})
     yield actors
     test_cluster.stop(cluster)
 
@@ -154,7 +159,7 @@ def _check(results: list[dict]) -> None:
         expected = _expected(rank, world)
         assert set(got) == set(expected), f"rank {rank}: ops {set(expected) ^ set(got)}"
         wrong = [key for key in expected if not np.array_equal(got[key], expected[key])]
-        assert not wrong, f"rank {rank} got wrong values for {wrong}"
+        assert not wrong, f"rank {rank} got wrong values for {wrong}: {[(got[k], expected[k]) for k in wrong][:2]}"
 
 
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
@@ -188,6 +193,9 @@ def _messages(rank: int, world: int, name: str) -> int:
 
 
 def test_one_island_of_devices_is_the_vendor_op_with_no_border_message(actors):
+    # the first op on a device class is checked (its rows show every rank on it), and the first
+    # message between island peers on it comes after a hello each way: once per group and class
+    _check(_on_all(actors, GPUS, every_op, "gpus", True))
     before = _on_all(actors, GPUS, _messages, "gpus")
     _check(_on_all(actors, GPUS, every_op, "gpus", True))
     after = _on_all(actors, GPUS, _messages, "gpus")
@@ -209,3 +217,44 @@ def test_ranks_of_one_island_on_different_devices_are_named(actors):
     messages = _on_all(actors, SPLIT, _mismatched_device)
     for message in messages:
         assert "mismatched call" in message and "on emu" in message and "ranks [1]" in message, message
+
+
+def _named_mismatch(rank: int, world: int, name: str, call: str) -> tuple[str, float]:
+    """What ``call`` raised on this rank (an emulated-device rank or a CPU one), and how long it took."""
+    n = 8192  # 32 KiB: above the small round, the vendor op alone
+    calls = {"allreduce": lambda: col.allreduce(torch.ones(n), group_name=name),
+             "small allreduce": lambda: col.allreduce(torch.ones(7), group_name=name),
+             "alltoall": lambda: hetccl_ray.alltoall([torch.ones(n) for _ in range(world)],
+                                                     [torch.zeros(n) for _ in range(world)], group_name=name),
+             "sendrecv": lambda: (col.send(torch.ones(n), 1, group_name=name) if rank == 0 else
+                                  col.recv(torch.zeros(n), 0, group_name=name))}
+    started = time.monotonic()
+    try:
+        calls[call]()
+    except hetccl_ray.HetCCLError as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+@pytest.mark.parametrize("call", ["allreduce", "small allreduce", "alltoall", "allreduce"])
+def test_one_island_whose_ranks_disagree_on_the_device_is_a_named_mismatch(actors, call):
+    """Two emulated-device ranks and a CPU rank in one island: every plan (the vendor op alone,
+    the small round, the all-to-all) names rank 2's class on every rank before the deadline
+    (it hung in two libraries that waited for each other: the fast path chose by the local
+    device), and the group stays usable (the same call again)."""
+    for rank, (message, took) in enumerate(_on_all(actors, ONE, _named_mismatch, "one", call)):
+        assert message.startswith("HetCCLMismatchError") and "ranks [2]" in message and "on emu" in message, \
+            (rank, message)
+        assert took < MISMATCH_TIMEOUT_S / 2, (rank, took)
+
+
+def test_island_peers_on_different_devices_name_it_at_their_first_message(actors):
+    """A send from an emulated-device rank to a CPU rank of its island: both ends name both
+    classes before the deadline (the sender waited in the island library, the receiver on the
+    border)."""
+    results = _on_all(actors, PAIR, _named_mismatch, "pair", "sendrecv")
+    for rank, (message, took) in enumerate(results):
+        assert message.startswith("HetCCLMismatchError") and "mismatched call" in message, (rank, message)
+        assert "rank 0 calls send with emu memory" in message or "rank 1 calls recv with cpu memory" in message
+        assert ("island peer rank 1 with cpu memory" if rank == 0 else "island peer rank 0 with emu memory") in message
+        assert took < MISMATCH_TIMEOUT_S / 2, (rank, took)

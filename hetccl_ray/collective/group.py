@@ -9,6 +9,7 @@ no plan to choose, is posted straight over the border under the same state (:met
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import threading
@@ -25,7 +26,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
                                        ReduceOp, ReduceOptions, ReduceScatterOptions)
 
 from hetccl_ray import devices
-from hetccl_ray.collective import plans, planner, shm, tree
+from hetccl_ray.collective import hello, plans, planner, shm, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import ROW_WIDTH, Call
 from hetccl_ray.collective.checks import ArgumentChecks
@@ -87,6 +88,8 @@ class HetCCLGroup(BaseGroup):
         self._streams: dict[devices.Device, devices.StreamLike] = {}
         self._sent_by_op: dict[str, int] = defaultdict(int)
         self.last_op_bytes_sent = 0
+        self._agreed: set[int] = set()  # device classes a check showed every rank on (one-island fast path)
+        self._met: set[tuple[int, int]] = set()  # (island peer, device class) both ends showed in a hello
         try:
             formed = form(world_size, rank, group_name, self.options, store)
         except HetCCLError:
@@ -127,6 +130,7 @@ class HetCCLGroup(BaseGroup):
         # message of theirs was received in order before a rank's next op can arrive)
         self._seq = self._progress.seq = 0
         self._sent_by_op.clear()
+        self._agreed.clear()  # the probes were on host memory: the user's first op on any class is checked
         self._probe_messages = self.border.messages_sent
         self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received, self.border.wire_bytes_sent,
                              self.border.wire_bytes_received)
@@ -332,7 +336,10 @@ class HetCCLGroup(BaseGroup):
                   before: Optional[Callable], after: Optional[Callable],
                   ahead: Optional[Sequence[torch.Tensor]]) -> Optional[str]:
         """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
-        problem = None
+        problem, checked = None, False
+        # a group of one island takes the vendor op alone only on a device class a check showed
+        # every rank on: ranks on different classes would wait in different libraries (a hang)
+        unchecked = len(self.topology.islands) == 1 and ctx.device.code not in self._agreed
         small = kind(call.op).round  # a collective the round and the flat plan can run
         plan = self.plan_of(call.op, kind(call.op).whole_bytes(call.numel * call.dtype.itemsize,
                                                                self.world_size)) if small else None
@@ -342,22 +349,24 @@ class HetCCLGroup(BaseGroup):
         if peer is not None or self.world_size == 1:
             if body is not None and call.numel:
                 body(ctx)
-        elif body is not None and check is None and self._fast_path(ctx.device, by_round):
+        elif body is not None and check is None and self._fast_path(ctx.device, by_round) and not unchecked:
             if call.numel:
                 body(ctx)
         elif by_round:
-            problem = self._staged(ctx, call, staged, plan)
+            problem, checked = self._staged(ctx, call, staged, plan), plan == planner.ROUND
         else:
             if ctx.shared is not None and ahead is not None and ctx.device.host and self.options.check_calls:
                 ctx.shared.ahead(ahead, pull=call.op == "alltoall")
-            if check is not None or self.options.check_calls or body is None:
-                problem = (check or tree.check)(ctx, call)
+            if check is not None or self.options.check_calls or body is None or unchecked:
+                problem, checked = (check or tree.check)(ctx, call), True
             if problem is None and body is not None and call.numel:
                 if plan == planner.FLAT and ctx.every_rank_on_host():  # the rows show CPU tensors on every rank
                     ctx.flat = self._flat
                 body(ctx)
         if problem is None and after is not None:
             ctx.launch(after)
+        if checked and problem is None:
+            self._agreed.add(ctx.device.code)
         return problem
 
     def _fast_path(self, device: devices.Device, small: bool) -> bool:
@@ -393,7 +402,9 @@ class HetCCLGroup(BaseGroup):
         with ctx.device.using(ctx.stream):
             for host, t in zip(hosts, staged):
                 host.copy_(t)
-        problem = self._small(ctx, call, plan, *hosts)
+        # the round's landings are host work on host copies: launched on the stream they would run
+        # after its next send had read the buffer they fill (a leader sent its island's total unfolded)
+        problem = self._small(dataclasses.replace(ctx, device=devices.HOST, stream=None), call, plan, *hosts)
         if problem is None:
             for host, t in zip(hosts, staged):
                 ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)
@@ -553,15 +564,55 @@ class HetCCLGroup(BaseGroup):
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
             raise HetCCLInputError(f"group '{self.group_name}': recv from any source takes CPU tensors over the "
                                    f"TCP border; here {why}; pass the source rank")
-        expected = {peer: Call("recv", x.flat.dtype, x.numel, seq=self._p2p_seq["recv", peer] + 1).tag()
-                    for peer in range(self.world_size) if peer != self.rank}
-        try:
-            source = self.border.default.first_arrival(expected, self.options.timeout_s)
-        except HetCCLTimeoutError as exc:
-            raise HetCCLTimeoutError(f"recv from any source in group '{self.group_name}' on rank {self.rank}: "
-                                     f"{exc}") from None
+        deadline = time.monotonic() + self.options.timeout_s
+        while True:  # an island peer's first message on this class comes after its hello: answer it, look again
+            expected = {peer: hello.tag(self._p2p_seq["hello", peer] + 1) if self._unmet(x.flat, peer) else
+                        Call("recv", x.flat.dtype, x.numel, seq=self._p2p_seq["recv", peer] + 1).tag()
+                        for peer in range(self.world_size) if peer != self.rank}
+            try:
+                source = self.border.default.first_arrival(expected, max(deadline - time.monotonic(), 0.0))
+            except HetCCLTimeoutError as exc:
+                raise HetCCLTimeoutError(f"recv from any source in group '{self.group_name}' on rank {self.rank}: "
+                                         f"{exc}") from None
+            if not self._unmet(x.flat, source):
+                break
+            self._greet("recv", self._hello(x.flat, source))
         self._p2p("recv", x, source)
         return source
+
+    def _unmet(self, flat: torch.Tensor, peer: int) -> bool:
+        """Whether a message with ``peer`` on ``flat``'s device class needs a hello first (hello.py):
+        the first with an island peer on that class."""
+        return (peer, devices.of(flat).code) not in self._met and self.topology.island_of(peer) == self.island
+
+    def _hello(self, flat: torch.Tensor, peer: int) -> Optional[hello.Hello]:
+        """Post the hellos with ``peer`` where a message on ``flat``'s class needs them first."""
+        if not self._unmet(flat, peer):
+            return None
+        code = devices.of(flat).code
+        with self._lock:
+            self._raise_if_broken()
+            posted = hello.Hello(self.border.default, peer, self._next_p2p_seq("hello", peer), code)
+            # met once the hello is posted, not once answered: each end posts one whatever else it
+            # posts to that peer before it waits (a batch of sends), so both ends decide alike
+            self._met.add((peer, code))
+        return posted
+
+    def _greet(self, op: str, posted: Optional[hello.Hello]) -> None:
+        """Wait for the peer's hello: on another device class than this rank's, both ends name the
+        mismatch and the group breaks (a message may be under way on a link the other end does
+        not read)."""
+        if posted is None:
+            return
+        try:
+            problem = hello.disagreement(self.rank, op, posted.code, posted.peer,
+                                         posted.theirs(self.options.timeout_s))
+            if problem is not None:
+                raise HetCCLMismatchError(problem)
+        except (HetCCLError, RuntimeError) as exc:
+            with self._lock:
+                raise self._break(exc, f"{op} in group '{self.group_name}' on rank {self.rank}", 0,
+                                  posted.peer) from exc
 
     def _p2p_operand(self, op: str, tensor: Any, peer: int) -> tuple[Operand, int]:
         x = Operand(self.args.one(tensor, op), moving=True)
@@ -575,6 +626,7 @@ class HetCCLGroup(BaseGroup):
         border (:meth:`_post`: no plan to choose, so none of the op wrapper's work), except one
         pulled on one host; the rest through the wrapper (the island library for device
         tensors of island peers, the border otherwise)."""
+        self._greet(op, self._hello(x.flat, peer))
         if devices.of(x.flat).host and x.numel and self.plan_of("send", x.flat.nbytes, peer=peer) == "p2p":
             self._post(op, x, peer)()
             return
@@ -599,7 +651,16 @@ class HetCCLGroup(BaseGroup):
         if not devices.of(x.flat).host or not x.numel:
             self._p2p(op, x, peer)
             return lambda: None
-        return self._post(op, x, peer, tag)
+        posted = self._hello(x.flat, peer)  # ahead of the message on its link
+        wait = self._post(op, x, peer, tag)
+        if posted is None:
+            return wait
+
+        def greeted() -> None:
+            self._greet(op, posted)
+            wait()
+
+        return greeted
 
     def _post(self, op: str, x: Operand, peer: int, tag: int = 0) -> Callable[[], None]:
         """Post a host message over the border under this rank's next sequence number with
