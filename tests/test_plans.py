@@ -51,7 +51,7 @@ def test_allreduce(layout, op, n):
 
 def _allreduce(ctx, row, op):
     buf = torch.tensor(row)
-    plans.allreduce(ctx, buf, op)
+    plans.collective(ctx, "allreduce", buf, reduce=op)
     return buf.numpy()
 
 
@@ -70,7 +70,9 @@ def test_reducescatter(layout, chunk, piece_bytes):
 
     def body(ctx):
         buf = torch.tensor(_island_major(topo, data[ctx.rank]))
-        return plans.reducescatter(ctx, buf, "sum").clone().numpy()
+        out = torch.zeros(chunk, dtype=buf.dtype)
+        plans.collective(ctx, "reducescatter", buf, reduce="sum", out=out)
+        return out.numpy()
 
     results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
     for r, got in enumerate(results):
@@ -92,7 +94,7 @@ def test_allgather(layout, chunk, piece_bytes):
         buf = torch.zeros(world * chunk, dtype=torch.float64)
         slot = order.index(ctx.rank)
         buf[slot * chunk:(slot + 1) * chunk] = torch.tensor(data[ctx.rank])
-        plans.allgather(ctx, buf)
+        plans.collective(ctx, "allgather", buf)
         return buf.numpy()
 
     results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
@@ -112,7 +114,7 @@ def test_broadcast_every_root(layout, n, piece_bytes):
 
         def body(ctx):
             buf = torch.tensor(data[ctx.rank])
-            plans.broadcast(ctx, buf, root)
+            plans.collective(ctx, "broadcast", buf, root)
             return buf.numpy()
 
         results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
@@ -131,7 +133,7 @@ def test_reduce_every_root(layout, op, piece_bytes):
     for root in range(len(islands)):
         def body(ctx):
             buf = torch.tensor(data[ctx.rank])
-            plans.reduce(ctx, buf, root, op)
+            plans.collective(ctx, "reduce", buf, root, op)
             return buf.numpy()
 
         results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)

@@ -232,13 +232,13 @@ def test_every_plan_over_the_rdma_border(layout):
         nonlocal order
         order = ctx.topo.island_major_order
         x = torch.from_numpy(data[ctx.rank].copy())
-        plans.allreduce(ctx, x, "sum")
+        plans.collective(ctx, "allreduce", x, reduce="sum")
         b = torch.from_numpy(data[ctx.rank].copy())
-        plans.broadcast(ctx, b, world - 1)
+        plans.collective(ctx, "broadcast", b, world - 1)
         g = torch.zeros(world * 5, dtype=torch.float64)
         slot = ctx.topo.island_major_order.index(ctx.rank)
         g[slot * 5:(slot + 1) * 5] = float(ctx.rank)
-        plans.allgather(ctx, g)
+        plans.collective(ctx, "allgather", g)
         return x.numpy(), b.numpy(), g.numpy()
 
     borders = rdma_borders(world, chunk_bytes=8192, depth=2)

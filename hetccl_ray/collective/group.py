@@ -16,7 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import ray
 import torch
@@ -29,16 +29,16 @@ from hetccl_ray import devices
 from hetccl_ray.collective import hello, plans, planner, shm, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
 from hetccl_ray.collective.calls import ROW_WIDTH, Call
-from hetccl_ray.collective.checks import ArgumentChecks
 from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
+from hetccl_ray.collective.op import Op, OpBuilder, Reduce
 from hetccl_ray.collective.opkinds import kind
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
-from hetccl_ray.buffers import copy, overlap
+from hetccl_ray.buffers import copy
 from hetccl_ray.collective.rendezvous import StoreRendezvous, delete, get_raw, members_key, options_key
-from hetccl_ray.collective.tensors import Operand, same_kind
+from hetccl_ray.collective.tensors import Operand
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError)
 from hetccl_ray.transport import verbs
@@ -48,6 +48,18 @@ from hetccl_ray.transport.choice import Choice
 logger = logging.getLogger(__name__)
 
 BACKEND = "HETCCL"
+
+
+_RAY_REDUCE = {ReduceOp.SUM: Reduce.SUM, ReduceOp.PRODUCT: Reduce.PRODUCT, ReduceOp.MIN: Reduce.MIN,
+               ReduceOp.MAX: Reduce.MAX}
+
+
+def _reduce(options: Any) -> Reduce:
+    """The reduce op of Ray's options object, as the core's own."""
+    op = getattr(options, "reduceOp", ReduceOp.SUM)
+    if op not in _RAY_REDUCE:
+        raise HetCCLInputError(f"unsupported reduce op {op!r}; supported: SUM, PRODUCT, MIN, MAX")
+    return _RAY_REDUCE[op]
 
 
 def _pinned(cls: type, **fields: Any) -> Any:
@@ -77,7 +89,6 @@ class HetCCLGroup(BaseGroup):
                               "actor) or through a torch.distributed store (init_process_group('hetccl'))")
         self.options = options or (GroupOptions() if store is not None
                                    else GroupOptions.from_json(get_raw(options_key(group_name))))
-        self.args = ArgumentChecks(group_name, world_size)
         self._lock = threading.Lock()
         self._seq = 0
         self._p2p_seq: dict[tuple, int] = defaultdict(int)
@@ -96,6 +107,7 @@ class HetCCLGroup(BaseGroup):
             self._pipeline.shutdown()
             raise
         self.topology, self.border, self.transports = formed.topology, formed.border, formed.transports
+        self.ops = OpBuilder(group_name, self.topology, rank, self._scratch)  # what the doors build their calls with
         self.direct = DirectChannel(formed.direct, group_name, rank, self.options.timeout_s)
         self._rendezvous, self._store, self._store_address = formed.rendezvous, formed.store, formed.store_address
         self._one_host = formed.one_host
@@ -124,7 +136,7 @@ class HetCCLGroup(BaseGroup):
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
                           lambda t: devices.synchronize(t, self.options.timeout_s),
-                          lambda t, op: self.allreduce(t, _pinned(AllReduceOptions, reduceOp=getattr(ReduceOp, op.upper()))),
+                          lambda t, op: self.run(self.ops.allreduce(t, Reduce(op))),
                           self._probe_calls)
         # the probes are not the user's ops: numbering and counters start after them (every
         # message of theirs was received in order before a rank's next op can arrive)
@@ -247,48 +259,27 @@ class HetCCLGroup(BaseGroup):
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
-    def _run(self, call: Call, tensor: Optional[torch.Tensor], body: Optional[Callable[[PlanContext], Any]],
-             peer: Optional[int] = None,
-             check: Optional[Callable[[PlanContext, Call], Optional[str]]] = None,
-             staged: Sequence[torch.Tensor] = (), before: Optional[Callable[[], None]] = None,
-             after: Optional[Callable[[], None]] = None, ahead: Optional[Sequence[torch.Tensor]] = None) -> None:
-        """Run one op under the group's sequence number, deadline, error state and stream order.
-
-        Which plan runs is decided from what every rank knows alike (the call's size, the
-        group's measured thresholds and topology), never from the local tensor's device, so a
-        group of GPU and CPU islands always takes one plan:
-
-        - a collective up to the small-message threshold runs its round over ``staged``
-          (rounds.py's plan, whose messages also carry every rank's call; with calls not
-          checked, a broadcast takes two hops instead); device buffers in ``staged`` go
-          through host memory for it;
-        - a group of one island runs the vendor op (``body``; on the stream for device
-          tensors) with no host round, except host collectives small enough for the round
-          (its calls are checked only with the ``strict`` option);
-        - else the rows-only round (unless ``check_calls`` is off), then the plan ``body``.
+    def run(self, op: Op) -> None:
+        """Run one op (a door's ``Op`` record) under the group's sequence number, deadline, error
+        state and stream order; which plan it takes is :meth:`_dispatch`'s.
 
         A rank that called something else (or ranks of one island on different device
         classes) is named on every rank before any user buffer is written, and the group
-        stays usable. ``check`` replaces the rows round for ops that must agree on more than
-        the call (all-to-all's block sizes); it always runs. ``before``/``after`` are device
-        work around the op (staging into and out of scratch buffers). ``ahead``: on one host,
-        what this rank's CPU buffers give the shared-memory op, written before the check
-        so that its step also publishes them.
-
-        Device buffers (devices.py): the op's side stream waits for the caller's current
-        stream at entry, device work goes on the side stream, and at exit the caller's
+        stays usable. Device buffers (devices.py): the op's side stream waits for the caller's
+        current stream at entry, device work goes on the side stream, and at exit the caller's
         stream waits for the op: the host returns without waiting for the device.
         """
+        tensor = op.tensor
         device = devices.of(tensor) if tensor is not None else devices.HOST
         with self._lock:
             self._raise_if_broken()
-            if peer is None:
+            if op.peer is None:
                 self._seq += 1
                 seq = self._seq
                 self._progress.start(seq)
             else:
-                seq = self._next_p2p_seq(call.op, peer)
-            call = call.numbered(seq, device.code)
+                seq = self._next_p2p_seq(op.name, op.peer)
+            call = op.call = op.call.numbered(seq, device.code)
             before_bytes = self.border.bytes_sent
             caller = stream = None
             if not device.host:
@@ -300,9 +291,9 @@ class HetCCLGroup(BaseGroup):
                               shared=self._shared, routed=self._routed, one_hop=self.planner.one_hop)
             try:
                 with device.using(stream) if stream is not None else _HOST_ONLY:
-                    problem = self._dispatch(ctx, call, body, peer, check, staged, before, after, ahead)
+                    problem = self._dispatch(ctx, op)
             except (HetCCLError, RuntimeError) as exc:
-                raise self._break(exc, self._where(call.op, seq), seq, peer) from exc
+                raise self._break(exc, self._where(call.op, seq), seq, op.peer) from exc
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before_bytes
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
@@ -331,12 +322,22 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
                                     f"({self._broken}); destroy and re-create it") from self._broken
 
-    def _dispatch(self, ctx: PlanContext, call: Call, body: Optional[Callable],
-                  peer: Optional[int], check: Optional[Callable], staged: Sequence[torch.Tensor],
-                  before: Optional[Callable], after: Optional[Callable],
-                  ahead: Optional[Sequence[torch.Tensor]]) -> Optional[str]:
-        """The plan choice of :meth:`_run`; returns who disagrees (None: the op ran)."""
-        problem, checked = None, False
+    def _dispatch(self, ctx: PlanContext, op: Op) -> Optional[str]:
+        """Which plan ``op`` takes, from what every rank knows alike (the call's size, the
+        group's measured thresholds and topology, the rows a check agreed), and runs it; returns
+        who disagrees (None: the op ran):
+
+        - a collective up to the small-message threshold runs its round (rounds.py's plan, whose
+          messages also carry every rank's call; with calls not checked, a broadcast takes two
+          hops instead); device buffers go through host memory for it;
+        - a group of one island runs the vendor op alone (on the stream for device tensors)
+          with no host round, once a check showed every rank on the device class (except host
+          collectives small enough for the round; its calls are checked only with ``strict``);
+        - else the rows-only round (unless ``check_calls`` is off; an all-to-all's always, with
+          its block sizes), then the op's plan: flat where the planner chose it and the rows show
+          host memory on every rank, else hierarchical.
+        """
+        call, problem, checked = op.call, None, False
         # a group of one island takes the vendor op alone only on a device class a check showed
         # every rank on: ranks on different classes would wait in different libraries (a hang)
         unchecked = len(self.topology.islands) == 1 and ctx.device.code not in self._agreed
@@ -344,30 +345,56 @@ class HetCCLGroup(BaseGroup):
         plan = self.plan_of(call.op, kind(call.op).whole_bytes(call.numel * call.dtype.itemsize,
                                                                self.world_size)) if small else None
         by_round = plan in (planner.ROUND, planner.TWO_HOP)  # the small plans
-        if before is not None:
-            ctx.launch(before)
-        if peer is not None or self.world_size == 1:
-            if body is not None and call.numel:
-                body(ctx)
-        elif body is not None and check is None and self._fast_path(ctx.device, by_round) and not unchecked:
-            if call.numel:
-                body(ctx)
+        moves = op.tensor is not None and call.numel > 0
+        for into, source in op.copy_in:
+            ctx.launch(copy, into, source)
+        if op.peer is not None or self.world_size == 1:
+            if moves:
+                self._plan(ctx, op)
+        elif moves and not op.agrees_counts and self._fast_path(ctx.device, by_round) and not unchecked:
+            self._plan(ctx, op)
         elif by_round:
-            problem, checked = self._staged(ctx, call, staged, plan), plan == planner.ROUND
+            problem, checked = self._staged(ctx, op, plan), plan == planner.ROUND
         else:
-            if ctx.shared is not None and ahead is not None and ctx.device.host and self.options.check_calls:
-                ctx.shared.ahead(ahead, pull=call.op == "alltoall")
-            if check is not None or self.options.check_calls or body is None or unchecked:
-                problem, checked = (check or tree.check)(ctx, call), True
-            if problem is None and body is not None and call.numel:
+            if ctx.shared is not None and op.offered is not None and ctx.device.host and self.options.check_calls:
+                ctx.shared.ahead(op.offered, pull=op.agrees_counts)
+            if op.agrees_counts or self.options.check_calls or op.tensor is None or unchecked:
+                problem, checked = self._check(ctx, op), True
+            if problem is None and moves:
                 if plan == planner.FLAT and ctx.every_rank_on_host():  # the rows show CPU tensors on every rank
                     ctx.flat = self._flat
-                body(ctx)
-        if problem is None and after is not None:
-            ctx.launch(after)
+                self._plan(ctx, op)
+        if problem is None:
+            for into, source in op.copy_out:
+                ctx.launch(copy, into, source)
+            for operand in op.written:
+                ctx.launch(operand.write_back)
         if checked and problem is None:
             self._agreed.add(ctx.device.code)
         return problem
+
+    @staticmethod
+    def _check(ctx: PlanContext, op: Op) -> Optional[str]:
+        """The rows-only round; an all-to-all's also agrees every rank's block sizes (``op.counts``),
+        its host blocks going ahead over the border meanwhile (on one host, after it)."""
+        if not op.agrees_counts:
+            return tree.check(ctx, op.call)
+        inputs, outputs = op.blocks
+        op.ahead = plans.SentAhead(ctx, inputs) if ctx.shared is None else None
+        problem, op.counts = tree.alltoall_counts(ctx, op.call, [t.numel() for t in (*inputs, *outputs)], op.ahead)
+        if problem is not None and op.ahead is not None:
+            op.ahead.wait()  # every receiver drains what came ahead
+        return problem
+
+    @staticmethod
+    def _plan(ctx: PlanContext, op: Op) -> None:
+        """The op's plan: a collective's over its buffer, an all-to-all's routes, a message."""
+        if op.blocks is not None:
+            plans.alltoall(ctx, op.counts, *op.blocks, op.ahead)
+        elif op.peer is not None:
+            (plans.send if op.name == "send" else plans.recv)(ctx, op.buf, op.peer)
+        else:
+            plans.collective(ctx, op.name, op.buf, max(op.call.root, 0), op.call.reduce, op.out)
 
     def _fast_path(self, device: devices.Device, small: bool) -> bool:
         """A group of one island runs the vendor op alone, with no host round before it (as
@@ -392,11 +419,12 @@ class HetCCLGroup(BaseGroup):
             return None
         return tree.small(ctx, call, *bufs)
 
-    def _staged(self, ctx: PlanContext, call: Call, staged: Sequence[torch.Tensor], plan: str) -> Optional[str]:
+    def _staged(self, ctx: PlanContext, op: Op, plan: str) -> Optional[str]:
         """The small ``plan`` on host copies of device buffers (as is for host ones): wait for
         the stream, copy down, run it, launch the copies back up."""
+        staged = op.staged
         if ctx.device.host:
-            return self._small(ctx, call, plan, *staged)
+            return self._small(ctx, op.call, plan, *staged)
         ctx.host_wait()
         hosts = [self._scratch.host(("staged", i), t, ctx.device) for i, t in enumerate(staged)]
         with ctx.device.using(ctx.stream):
@@ -404,7 +432,7 @@ class HetCCLGroup(BaseGroup):
                 host.copy_(t)
         # the round's landings are host work on host copies: launched on the stream they would run
         # after its next send had read the buffer they fill (a leader sent its island's total unfolded)
-        problem = self._small(dataclasses.replace(ctx, device=devices.HOST, stream=None), call, plan, *hosts)
+        problem = self._small(dataclasses.replace(ctx, device=devices.HOST, stream=None), op.call, plan, *hosts)
         if problem is None:
             for host, t in zip(hosts, staged):
                 ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)
@@ -427,70 +455,28 @@ class HetCCLGroup(BaseGroup):
                                       f"for peers; timeout {self.options.timeout_s:.0f} s); {arrival}{detail} ({text})")
         return HetCCLPeerError(f"{where} failed: {text}; {arrival}")
 
-    # -- BaseGroup ops ---------------------------------------------------------------------------
+    # -- Ray's BaseGroup ops: Ray's options to the core's own types, an Op each -------------------
 
     def allreduce(self, tensor: Any, allreduce_options: Any = _pinned(AllReduceOptions, reduceOp=ReduceOp.SUM)) -> None:
-        x = Operand(self.args.one(tensor, "allreduce"))
-        op = self.args.reduce_op(allreduce_options)
-        self._run(Call("allreduce", x.flat.dtype, x.numel, reduce=op), x.flat,
-                  lambda ctx: plans.allreduce(ctx, x.flat, op), staged=[x.flat], after=x.write_back, ahead=[x.flat])
+        self.run(self.ops.allreduce(tensor, _reduce(allreduce_options)))
 
     def barrier(self, barrier_options: Any = BarrierOptions()) -> None:
-        self._run(Call("barrier", torch.uint8, 0), None, None)
+        self.run(self.ops.barrier())
 
     def reduce(self, tensor: Any,
                reduce_options: Any = _pinned(ReduceOptions, reduceOp=ReduceOp.SUM, root_rank=0)) -> None:
-        x = Operand(self.args.one(tensor, "reduce"))
-        root = self.args.rank(reduce_options.root_rank, "reduce root")
-        op = self.args.reduce_op(reduce_options)
-        work = x.flat if self.rank == root else self._scratch.get("reduce", x.numel, x.flat)  # others keep theirs
-        self._run(Call("reduce", x.flat.dtype, x.numel, root, op), x.flat,
-                  lambda ctx: plans.reduce(ctx, work, root, op), staged=[work],
-                  before=None if work is x.flat else lambda: copy(work, x.flat),
-                  after=x.write_back if self.rank == root else None, ahead=[x.flat])
+        self.run(self.ops.reduce_to(tensor, reduce_options.root_rank, _reduce(reduce_options)))
 
     def broadcast(self, tensor: Any, broadcast_options: Any = _pinned(BroadcastOptions, root_rank=0)) -> None:
-        x = Operand(self.args.one(tensor, "broadcast"), moving=True)
-        root = self.args.rank(broadcast_options.root_rank, "broadcast root")
-        self._run(Call("broadcast", x.flat.dtype, x.numel, root), x.flat,
-                  lambda ctx: plans.broadcast(ctx, x.flat, root), staged=[x.flat], after=x.write_back,
-                  ahead=[x.flat] if self.rank == root else [])
+        self.run(self.ops.broadcast(tensor, broadcast_options.root_rank))
 
     def allgather(self, tensor_list: Any, tensor: Any, allgather_options: Any = AllGatherOptions()) -> None:
-        x = Operand(self.args.one(tensor, "allgather input"), moving=True)
-        outputs = self.args.per_rank_list(tensor_list, "allgather output tensor_list", moving=True)
-        same_kind(x.flat, [o.flat for o in outputs], "allgather output tensor_list")
-        n, order = x.numel, self.topology.island_major_order
-        buf = self._scratch.get("allgather", n * self.world_size, x.flat)
-        mine = order.index(self.rank)
-
-        def spread() -> None:
-            for slot, rank in enumerate(order):
-                copy(outputs[rank].flat, buf[slot * n:(slot + 1) * n])
-                outputs[rank].write_back()
-
-        self._run(Call("allgather", x.flat.dtype, n), x.flat, lambda ctx: plans.allgather(ctx, buf), staged=[buf],
-                  before=lambda: copy(buf[mine * n:(mine + 1) * n], x.flat), after=spread, ahead=[x.flat])
+        self.run(self.ops.allgather(self.ops.one(tensor_list, "allgather output tensor_list"), tensor))
 
     def reducescatter(self, tensor: Any, tensor_list: Any,
                       reducescatter_options: Any = _pinned(ReduceScatterOptions, reduceOp=ReduceOp.SUM)) -> None:
-        out = Operand(self.args.one(tensor, "reducescatter output"))
-        inputs = self.args.per_rank_list(tensor_list, "reducescatter input tensor_list")
-        same_kind(out.flat, [i.flat for i in inputs], "reducescatter input tensor_list")
-        op = self.args.reduce_op(reducescatter_options)
-        n, order = out.numel, self.topology.island_major_order
-        buf = self._scratch.get("reducescatter", n * self.world_size, out.flat)
-
-        def lay_out() -> None:
-            for slot, rank in enumerate(order):
-                copy(buf[slot * n:(slot + 1) * n], inputs[rank].flat)
-
-        def body(ctx: PlanContext) -> None:
-            mine = plans.reducescatter(ctx, buf, op)
-            ctx.launch(copy, out.flat, mine)
-
-        self._run(Call("reducescatter", out.flat.dtype, n, reduce=op), out.flat, body, staged=[buf, out.flat],
-                  before=lay_out, after=out.write_back, ahead=[buf])
+        self.run(self.ops.reducescatter(tensor, self.ops.one(tensor_list, "reducescatter input tensor_list"),
+                                        _reduce(reducescatter_options)))
 
     # -- beyond Ray's BaseGroup: all-to-all, gather, scatter ---------------------------------------
 
@@ -498,67 +484,24 @@ class HetCCLGroup(BaseGroup):
         """Send ``tensor_list_in[t]`` to rank t, receive ``tensor_list_out[r]`` from rank r.
         Sizes may differ per pair (MoE token routing), but what r sends t must be what t
         expects from r: a pair that disagrees is a mismatch on every rank, no data moved."""
-        ins = self.args.per_rank_list(tensor_list_in, "alltoall tensor_list_in", nested=False, moving=True)
-        outs = self.args.per_rank_list(tensor_list_out, "alltoall tensor_list_out", nested=False, moving=True)
-        self.alltoall_flat([x.flat for x in ins], [x.flat for x in outs], after=lambda: [o.write_back() for o in outs])
-
-    def alltoall_flat(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-                      after: Optional[Callable[[], Any]] = None) -> None:
-        """:meth:`alltoall` on flat contiguous tensors (views of one buffer are fine); ``after``:
-        device work once the outputs are filled (writing them back into the user's tensors)."""
-        same_kind(inputs[0], [*inputs, *outputs], "alltoall tensors", sizes=False)
-        if overlap(inputs, outputs):  # in place: blocks leave from a copy, so none is overwritten before it is read
-            inputs = list(torch.cat(inputs).split([t.numel() for t in inputs]))
-        mine = [t.numel() for t in inputs] + [t.numel() for t in outputs]
-        agreed: dict[str, Any] = {"counts": [[mine[0]]], "ahead": None}  # a group of one: nothing to agree with
-
-        def check(ctx: PlanContext, call: Call) -> Optional[str]:
-            # blocks go ahead over the border during its round; on one host, after the check
-            agreed["ahead"] = ahead = plans.SentAhead(ctx, inputs) if ctx.shared is None else None
-            problem, agreed["counts"] = tree.alltoall_counts(ctx, call, mine, ahead)
-            if problem is not None and ahead is not None:
-                ahead.wait()  # every receiver drains what came ahead
-            return problem
-
-        if self.world_size == 1 and mine[0] != mine[1]:
-            raise HetCCLInputError(f"group '{self.group_name}': alltoall sends {mine[0]} elements to rank 0 "
-                                   f"but expects {mine[1]} from it")
-        self._run(Call("alltoall", inputs[0].dtype, self.world_size), inputs[0],
-                  lambda ctx: plans.alltoall(ctx, agreed["counts"], inputs, outputs, agreed["ahead"]), check=check,
-                  after=after, ahead=[inputs[t] for t in self.topology.island_major_order])
+        ins = self.ops.per_rank(tensor_list_in, "alltoall tensor_list_in", moving=True)
+        outs = self.ops.per_rank(tensor_list_out, "alltoall tensor_list_out", moving=True)
+        self.run(self.ops.alltoall([x.flat for x in ins], [x.flat for x in outs], written=outs))
 
     def gather(self, tensor: Any, gather_list: Any, root: int) -> None:
         """Every rank's ``tensor`` into ``gather_list`` (one per rank) at ``root``: the
         all-to-all plan with blocks to root only, so bytes cross the border once."""
-        x = Operand(self.args.one(tensor, "gather"), moving=True)
-        root = self.args.rank(root, "gather root")
-        outs = self.args.per_rank_list(gather_list, "gather_list", nested=False, moving=True) if self.rank == root else []
-        same_kind(x.flat, [o.flat for o in outs], "gather_list")
-        n, empty = x.numel, x.flat[:0]
-        counts = [[n if t == root else 0 for t in range(self.world_size)] for _ in range(self.world_size)]
-        ins = [x.flat if t == root else empty for t in range(self.world_size)]
-        flats = [o.flat for o in outs] or [empty] * self.world_size
-        self._run(Call("gather", x.flat.dtype, n, root), x.flat,
-                  lambda ctx: plans.alltoall(ctx, counts, ins, flats), after=lambda: [o.write_back() for o in outs])
+        self.run(self.ops.gather(tensor, gather_list, root))
 
     def scatter(self, tensor: Any, scatter_list: Any, root: int) -> None:
         """``scatter_list[t]`` at ``root`` into rank t's ``tensor``: the all-to-all plan with
         blocks from root only."""
-        x = Operand(self.args.one(tensor, "scatter"), moving=True)
-        root = self.args.rank(root, "scatter root")
-        ins = self.args.per_rank_list(scatter_list, "scatter_list", nested=False, moving=True) if self.rank == root else []
-        same_kind(x.flat, [i.flat for i in ins], "scatter_list")
-        n, empty = x.numel, x.flat[:0]
-        counts = [[n if r == root else 0 for _ in range(self.world_size)] for r in range(self.world_size)]
-        flats = [i.flat for i in ins] or [empty] * self.world_size
-        outs = [x.flat if r == root else empty for r in range(self.world_size)]
-        self._run(Call("scatter", x.flat.dtype, n, root), x.flat,
-                  lambda ctx: plans.alltoall(ctx, counts, flats, outs), after=x.write_back)
+        self.run(self.ops.scatter(tensor, scatter_list, root))
 
     def recv_any(self, tensor: Any) -> int:
         """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
         CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
-        x = Operand(self.args.one(tensor, "recv from any source"), moving=True)
+        x = Operand(self.ops.one(tensor, "recv from any source"), moving=True)
         rdma = sorted(self._routed)
         if not devices.of(x.flat).host or rdma:
             why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
@@ -577,7 +520,7 @@ class HetCCLGroup(BaseGroup):
             if not self._unmet(x.flat, source):
                 break
             self._greet("recv", self._hello(x.flat, source))
-        self._p2p("recv", x, source)
+        self._p2p(self.ops.message("recv", x, source))
         return source
 
     def _unmet(self, flat: torch.Tensor, peer: int) -> bool:
@@ -614,25 +557,17 @@ class HetCCLGroup(BaseGroup):
                 raise self._break(exc, f"{op} in group '{self.group_name}' on rank {self.rank}", 0,
                                   posted.peer) from exc
 
-    def _p2p_operand(self, op: str, tensor: Any, peer: int) -> tuple[Operand, int]:
-        x = Operand(self.args.one(tensor, op), moving=True)
-        peer = self.args.rank(peer, f"{op} peer")
-        if peer == self.rank:
-            raise HetCCLInputError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
-        return x, peer
-
-    def _p2p(self, op: str, x: Operand, peer: int) -> None:
-        """A send or receive run to completion as one op: a host message straight over the
-        border (:meth:`_post`: no plan to choose, so none of the op wrapper's work), except one
-        pulled on one host; the rest through the wrapper (the island library for device
-        tensors of island peers, the border otherwise)."""
-        self._greet(op, self._hello(x.flat, peer))
-        if devices.of(x.flat).host and x.numel and self.plan_of("send", x.flat.nbytes, peer=peer) == "p2p":
-            self._post(op, x, peer)()
+    def _p2p(self, op: Op) -> None:
+        """A send or receive run to completion: a host message straight over the border
+        (:meth:`_post`: no plan to choose, so none of the op wrapper's work), except one pulled
+        on one host; the rest through the wrapper (the island library for device tensors of
+        island peers, the border otherwise). An island peer's first message on a device class
+        comes after a hello each way (hello.py)."""
+        self._greet(op.name, self._hello(op.buf, op.peer))
+        if devices.of(op.buf).host and op.call.numel and self.plan_of("send", op.buf.nbytes, peer=op.peer) == "p2p":
+            self._post(op)()
             return
-        plan = plans.send if op == "send" else plans.recv
-        self._run(Call(op, x.flat.dtype, x.numel), x.flat, lambda ctx: plan(ctx, x.flat, peer), peer=peer,
-                  after=x.write_back if op == "recv" else None)
+        self.run(op)
 
     def _next_p2p_seq(self, op: str, peer: int, tag: int = 0) -> int:
         """The sequence number of this rank's next ``op`` ("send"/"recv") with ``peer`` under
@@ -647,12 +582,12 @@ class HetCCLGroup(BaseGroup):
         torch's isend/irecv: returns the wait. Every posted transfer progresses while any is
         waited for, so a batch in which every rank sends to and receives from every other
         completes whatever the sizes. Host tensors; device ones run :meth:`send`/:meth:`recv`."""
-        x, peer = self._p2p_operand(op, tensor, peer)
-        if not devices.of(x.flat).host or not x.numel:
-            self._p2p(op, x, peer)
+        message = self.ops.p2p(op, tensor, peer)
+        if not devices.of(message.buf).host or not message.call.numel:
+            self._p2p(message)
             return lambda: None
-        posted = self._hello(x.flat, peer)  # ahead of the message on its link
-        wait = self._post(op, x, peer, tag)
+        posted = self._hello(message.buf, message.peer)  # ahead of the message on its link
+        wait = self._post(message, tag)
         if posted is None:
             return wait
 
@@ -662,45 +597,47 @@ class HetCCLGroup(BaseGroup):
 
         return greeted
 
-    def _post(self, op: str, x: Operand, peer: int, tag: int = 0) -> Callable[[], None]:
-        """Post a host message over the border under this rank's next sequence number with
-        ``peer`` (the op wrapper's error state and deadline, none of its plan choice); returns
-        its wait. On one host a receive takes whatever its sender sent, so that a sender
-        offering a message to pull (a larger one) is named as a mismatch, not misread."""
+    def _post(self, op: Op, tag: int = 0) -> Callable[[], None]:
+        """Post a host message over the border under this rank's next sequence number with its
+        peer (the op wrapper's error state and deadline, none of its plan choice); returns its
+        wait. On one host a receive takes whatever its sender sent, so that a sender offering
+        a message to pull (a larger one) is named as a mismatch, not misread."""
+        name, buf, peer = op.name, op.buf, op.peer
         with self._lock:
             self._raise_if_broken()
-            seq = self._next_p2p_seq(op, peer, tag)
-            mark = Call(op, x.flat.dtype, x.numel, seq=seq).tag()
-            flexible = op == "recv" and plans.by_socket(self._shared, self._routed, peer)
+            seq = self._next_p2p_seq(name, peer, tag)
+            mark = op.call.numbered(seq, 0).tag()
+            flexible = name == "recv" and plans.by_socket(self._shared, self._routed, peer)
             try:
-                handle = (self.border.isend(peer, x.flat, mark) if op == "send" else
-                          self.border.default.irecv(peer, x.flat, mark, flexible=True) if flexible else
-                          self.border.irecv(peer, x.flat, mark))
+                handle = (self.border.isend(peer, buf, mark) if name == "send" else
+                          self.border.default.irecv(peer, buf, mark, flexible=True) if flexible else
+                          self.border.irecv(peer, buf, mark))
             except (HetCCLError, RuntimeError) as exc:
-                raise self._break(exc, self._where(op, seq), seq, peer) from exc
-            self.last_op_bytes_sent = x.flat.nbytes if op == "send" else 0
-            self._sent_by_op[op] += self.last_op_bytes_sent
+                raise self._break(exc, self._where(name, seq), seq, peer) from exc
+            self.last_op_bytes_sent = buf.nbytes if name == "send" else 0
+            self._sent_by_op[name] += self.last_op_bytes_sent
         deadline = time.monotonic() + self.options.timeout_s
 
         def wait() -> None:
             try:
                 handle.wait(max(deadline - time.monotonic(), 0.0))
-                landed = plans.spilled(handle, x.flat) if flexible else None
+                landed = plans.spilled(handle, buf) if flexible else None
                 if landed is not None:  # a larger message, offered to pull, or bytes of another size
-                    raise mismatch(self.rank, mark, x.flat.nbytes, peer, mark, landed[1])
+                    raise mismatch(self.rank, mark, buf.nbytes, peer, mark, landed[1])
             except (HetCCLError, RuntimeError) as exc:
                 with self._lock:
-                    broken = self._break(exc, self._where(op, seq), seq, peer)
+                    broken = self._break(exc, self._where(name, seq), seq, peer)
                 raise broken from exc
-            x.write_back()
+            for operand in op.written:
+                operand.write_back()
 
         return wait
 
     def send(self, tensor: Any, send_options: Any) -> None:
-        self._p2p("send", *self._p2p_operand("send", tensor, send_options.dst_rank))
+        self._p2p(self.ops.p2p("send", tensor, send_options.dst_rank))
 
     def recv(self, tensor: Any, recv_options: Any) -> None:
-        self._p2p("recv", *self._p2p_operand("recv", tensor, recv_options.src_rank))
+        self._p2p(self.ops.p2p("recv", tensor, recv_options.src_rank))
 
     def destroy_group(self) -> None:
         """Close the border, the island communicators and the progress thread; drop KV records."""

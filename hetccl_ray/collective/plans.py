@@ -58,37 +58,21 @@ def plan_for(ctx: PlanContext, op: str, buf: torch.Tensor, root: int = 0) -> sch
     return schedule.build(ctx.topo, ctx.rank, op, buf.numel(), root, ctx.pieces(largest))
 
 
-def allreduce(ctx: PlanContext, buf: torch.Tensor, op: str) -> None:
-    """Reduce-scatter to lane owners, allreduce across islands per lane, allgather back."""
-    execute(ctx, plan_for(ctx, "allreduce", buf), {BUF: buf}, op)
-
-
-def reducescatter(ctx: PlanContext, buf: torch.Tensor, op: str) -> torch.Tensor:
-    """Reduce the island-major ``buf`` of one chunk per rank; returns this rank's reduced chunk."""
-    plan = plan_for(ctx, "reducescatter", buf)
-    execute(ctx, plan, {BUF: buf}, op)
-    return view(buf, plan.result)
-
-
-def allgather(ctx: PlanContext, buf: torch.Tensor) -> None:
-    """Gather the island-major ``buf`` whose own chunk is filled in, on every rank."""
-    execute(ctx, plan_for(ctx, "allgather", buf), {BUF: buf})
-
-
-def broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
-    """Root's island broadcasts inside, its lane owners send across, the others allgather."""
-    execute(ctx, plan_for(ctx, "broadcast", buf, root), {BUF: buf})
+def collective(ctx: PlanContext, op: str, buf: torch.Tensor, root: int = 0, reduce: str = "",
+               out: Optional[torch.Tensor] = None) -> None:
+    """``op``'s plan over ``buf`` (allgather, reducescatter: the island-major buffer of one chunk
+    per rank, this rank's filled in for allgather), folding with ``reduce``; a reducescatter
+    copies this rank's reduced chunk into ``out``."""
+    plan = plan_for(ctx, op, buf, root)
+    execute(ctx, plan, {BUF: buf}, reduce or None)
+    if out is not None and plan.result is not None:
+        ctx.launch(copy, out, view(buf, plan.result))
 
 
 def two_hop_broadcast(ctx: PlanContext, buf: torch.Tensor, root: int) -> None:
     """A small broadcast whose call every rank knows (calls not checked): root to its island and
     the other leaders, leaders to their islands."""
     execute(ctx, schedule.two_hop_broadcast(ctx.topo, ctx.rank, buf.numel(), root), {BUF: buf})
-
-
-def reduce(ctx: PlanContext, buf: torch.Tensor, root: int, op: str) -> None:
-    """Reduce-scatter in each island, partials to the root's island, gathered at root."""
-    execute(ctx, plan_for(ctx, "reduce", buf, root), {BUF: buf}, op)
 
 
 class SentAhead:

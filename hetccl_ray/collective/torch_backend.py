@@ -17,33 +17,31 @@ import datetime
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from ray.util.collective.types import ReduceOp as RayReduceOp
 
 from hetccl_ray import devices
 from hetccl_ray.collective.group import HetCCLGroup
+from hetccl_ray.collective.op import Reduce
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.tensors import Operand
 from hetccl_ray.errors import HetCCLInputError
 
 NAME = "hetccl"
-_REDUCE = {dist.ReduceOp.SUM: RayReduceOp.SUM, dist.ReduceOp.PRODUCT: RayReduceOp.PRODUCT,
-           dist.ReduceOp.MIN: RayReduceOp.MIN, dist.ReduceOp.MAX: RayReduceOp.MAX,
-           dist.ReduceOp.AVG: RayReduceOp.SUM}
+_REDUCE = {dist.ReduceOp.SUM: Reduce.SUM, dist.ReduceOp.PRODUCT: Reduce.PRODUCT, dist.ReduceOp.MIN: Reduce.MIN,
+           dist.ReduceOp.MAX: Reduce.MAX, dist.ReduceOp.AVG: Reduce.SUM}
 _count_lock = threading.Lock()
 _count = 0
 
 
-def _reduce_op(opts) -> tuple[SimpleNamespace, bool]:
-    """Ray-style options for the group, and whether to divide by world size (AVG)."""
+def _reduce_op(opts) -> tuple[Reduce, bool]:
+    """The core's reduce op for torch's, and whether to divide by world size (AVG)."""
     op = opts.reduceOp.op if hasattr(opts.reduceOp, "op") else opts.reduceOp
     if op not in _REDUCE:
         raise HetCCLInputError(f"hetccl does not support reduce op {op}; supported: SUM, AVG, PRODUCT, MIN, MAX")
-    return SimpleNamespace(reduceOp=_REDUCE[op]), op == dist.ReduceOp.AVG
+    return _REDUCE[op], op == dist.ReduceOp.AVG
 
 
 class _Work(dist.Work):
@@ -153,28 +151,29 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         devices.of(tensor).launch(None, fn, *args)
 
     def _allreduce_list(self, tensors: Sequence[torch.Tensor], opts) -> None:
-        options, average = _reduce_op(opts)
+        reduce, average = _reduce_op(opts)
+        ops = self.group.ops
         for tensor in tensors:
             if tensor.is_sparse:
-                self._sparse_allreduce(tensor, options)
+                self._sparse_allreduce(tensor, reduce)
             elif tensor.is_complex():  # a sum of complex numbers is the sums of their parts
-                if options.reduceOp != RayReduceOp.SUM:
+                if reduce != Reduce.SUM:
                     raise HetCCLInputError(f"all_reduce of {tensor.dtype} takes SUM or AVG only")
-                self.group.allreduce(torch.view_as_real(tensor), options)
+                self.group.run(ops.allreduce(torch.view_as_real(tensor), reduce))
             else:
-                self.group.allreduce(tensor, options)
+                self.group.run(ops.allreduce(tensor, reduce))
             if average:
                 self._launch(tensor, tensor.div_, self.size())
 
-    def _sparse_allreduce(self, tensor: torch.Tensor, options) -> None:
+    def _sparse_allreduce(self, tensor: torch.Tensor, reduce: Reduce) -> None:
         """A sparse COO tensor summed over ranks (DDP with sparse embeddings), as Gloo does it:
         every rank's indices and values gathered, the result coalesced, written into ``tensor``."""
-        if options.reduceOp != RayReduceOp.SUM:
+        if reduce != Reduce.SUM:
             raise HetCCLInputError("all_reduce of a sparse tensor takes SUM or AVG only")
         mine = tensor.coalesce()
         world = self.size()
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        self.group.allgather([counts], torch.tensor([mine._nnz()]))
+        self._allgather(counts, torch.tensor([mine._nnz()]))
         most = max(int(c) for c in counts)
         indices = torch.zeros(mine.sparse_dim(), most, dtype=torch.int64)
         values = torch.zeros((most, *mine.values().shape[1:]), dtype=mine.dtype)
@@ -182,12 +181,15 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         values[:mine._nnz()] = mine.values()
         all_indices = [torch.empty_like(indices) for _ in range(world)]
         all_values = [torch.empty_like(values) for _ in range(world)]
-        self.group.allgather([all_indices], indices)
-        self.group.allgather([all_values], values)
+        self._allgather(all_indices, indices)
+        self._allgather(all_values, values)
         summed = torch.sparse_coo_tensor(
             torch.cat([i[:, :int(n)] for i, n in zip(all_indices, counts)], dim=1),
             torch.cat([v[:int(n)] for v, n in zip(all_values, counts)]), mine.shape).coalesce()
         tensor.copy_(summed)
+
+    def _allgather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.group.run(self.group.ops.allgather(outputs, tensor))
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
@@ -205,36 +207,34 @@ class HetCCLProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         root = (opts or dist.BroadcastOptions()).rootRank
-        return self._async(tensors, lambda: [self.group.broadcast(t, SimpleNamespace(root_rank=root))
-                                             for t in tensors])
+        return self._async(tensors, lambda: [self.group.run(self.group.ops.broadcast(t, root)) for t in tensors])
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        options, average = _reduce_op(opts)
-        options.root_rank = opts.rootRank
+        reduce, average = _reduce_op(opts)
 
         def run() -> None:
             for tensor in tensors:
-                self.group.reduce(tensor, options)
+                self.group.run(self.group.ops.reduce_to(tensor, opts.rootRank, reduce))
                 if average and self.rank() == opts.rootRank:
                     self._launch(tensor, tensor.div_, self.size())
         return self._async(tensors, run)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        return self._async(output_tensors, lambda: [self.group.allgather([out], inp)
+        return self._async(output_tensors, lambda: [self._allgather(out, inp)
                                                     for out, inp in zip(output_tensors, input_tensors)])
 
     def _allgather_base(self, output, input, opts=None):
-        return self._async(output, lambda: self.group.allgather([list(output.chunk(self.size()))], input))
+        return self._async(output, lambda: self._allgather(list(output.chunk(self.size())), input))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self._async(outputs, lambda: [self.group.allgather([list(out.chunk(self.size()))], inp)
+        return self._async(outputs, lambda: [self._allgather(list(out.chunk(self.size())), inp)
                                              for out, inp in zip(outputs, inputs)])
 
     def _reduce_scatter_list(self, pairs, opts) -> None:
-        options, average = _reduce_op(opts or dist.ReduceScatterOptions())
+        reduce, average = _reduce_op(opts or dist.ReduceScatterOptions())
         for output, inputs in pairs:
-            self.group.reducescatter(output, [list(inputs)], options)
+            self.group.run(self.group.ops.reducescatter(output, list(inputs), reduce))
             if average:
                 self._launch(output, output.div_, self.size())
 
@@ -249,7 +249,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         return self._async(outputs, lambda: self._reduce_scatter_list(pairs, opts))
 
     def barrier(self, opts=None):
-        return self._async([], self.group.barrier)
+        return self._async([], lambda: self.group.run(self.group.ops.barrier()))
 
     def send(self, tensors, dst, tag=0):
         return self._posted(tensors, "send", dst, tag)
@@ -271,7 +271,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
-        return self._async(output_lists, lambda: [self.group.allgather([[outs[i] for outs in output_lists]], inp)
+        return self._async(output_lists, lambda: [self._allgather([outs[i] for outs in output_lists], inp)
                                                   for i, inp in enumerate(input_list)])
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -280,7 +280,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         def run() -> None:
             inp, ins = self._rows(input, input_split_sizes, "input")
             out, outs = self._rows(output, output_split_sizes, "output")
-            self.group.alltoall_flat(ins, outs, after=out.write_back)
+            self.group.run(self.group.ops.alltoall(ins, outs, written=[out]))
         return self._async(output, run)
 
     all_to_all_single = alltoall_base
