@@ -377,3 +377,34 @@ def test_without_call_checks_a_small_broadcast_takes_two_hops_and_sends_the_boun
     assert sum(messages for _, _, messages, _ in results) == world * (world - 1)
     assert sum(sent for _, sent, _, _ in results) == world * (2 - 1) * n * 4  # two islands: S per broadcast
     ray.get([a.call.remote(lambda: col.destroy_collective_group(name)) for a in group])
+
+
+def _agreed_then_different_ops(name, rank):
+    col.barrier(group_name=name)  # its check shows every rank on host memory: the vendor op runs alone after it
+    x = torch.ones(8192)  # 32 KiB: above the group's small round
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            col.broadcast(x, 0, group_name=name)
+        else:
+            col.allreduce(x, group_name=name)
+    except hetccl_ray.HetCCLError as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_unchecked_calls_that_differ_are_named_when_they_time_out(actors):
+    """Calls not checked, one island: rank 0 broadcasts where rank 1 allreduces, each in the
+    island library, which waits for the other until the deadline. The timeout reads what each
+    rank published (its op number and call row) and names the calls, not "ranks that did not
+    arrive: []" (both arrived, at different calls)."""
+    group = [actors["a"][0], actors["a"][1]]
+    name = "unchecked-different"
+    hetccl_ray.create_collective_group(group, 2, [0, 1], group_name=name, timeout_s=3, check_calls=False,
+                                       small_bytes=1024)
+    results = ray.get([a.call.remote(_agreed_then_different_ops, name, r) for r, a in enumerate(group)],
+                      timeout=60)
+    for rank, (message, took) in enumerate(results):
+        assert message.startswith("HetCCLMismatchError") and "found when it timed out" in message, (rank, message)
+        assert "ranks [0] called broadcast #2" in message and "ranks [1] called allreduce #2" in message, message
+        assert took < 3 + 3, (rank, took)

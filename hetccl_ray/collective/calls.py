@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -70,15 +70,18 @@ class Call:
         return f"{self.op} #{self.seq}({', '.join(parts)})"
 
 
-def disagreement(calls: Sequence[Call], islands: Iterable[Sequence[int]] = ()) -> Optional[str]:
-    """None when every rank made the same call (up to the device class, which must agree only
-    inside each island of ``islands``, rank lists); else which ranks made which call."""
+def disagreement(calls: Union[Sequence[Call], Mapping[int, Call]],
+                 islands: Iterable[Sequence[int]] = ()) -> Optional[str]:
+    """None when every rank of ``calls`` (every rank's, or some ranks' by rank) made the same
+    call (up to the device class, which must agree only inside each island of ``islands``,
+    rank lists); else which ranks made which call."""
+    by_rank = calls if isinstance(calls, Mapping) else dict(enumerate(calls))
     for ranks in islands:
-        if len({calls[r].device for r in ranks}) > 1:
-            return _named({r: calls[r] for r in ranks})
-    if len({replace(call, device=0) for call in calls}) == 1:
+        if len({by_rank[r].device for r in ranks if r in by_rank}) > 1:
+            return _named({r: by_rank[r] for r in ranks if r in by_rank})
+    if len({replace(call, device=0) for call in by_rank.values()}) == 1:
         return None
-    return _named(dict(enumerate(calls)))
+    return _named(by_rank)
 
 
 def _named(calls: dict[int, Call]) -> str:

@@ -28,7 +28,7 @@ from ray.util.collective.types import (AllGatherOptions, AllReduceOptions, Barri
 from hetccl_ray import devices
 from hetccl_ray.collective import hello, plans, planner, shm, tree
 from hetccl_ray.collective.runner import PlanContext, ScratchPool
-from hetccl_ray.collective.calls import ROW_WIDTH, Call
+from hetccl_ray.collective.calls import ROW_WIDTH, Call, disagreement
 from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
@@ -276,10 +276,11 @@ class HetCCLGroup(BaseGroup):
             if op.peer is None:
                 self._seq += 1
                 seq = self._seq
-                self._progress.start(seq)
             else:
                 seq = self._next_p2p_seq(op.name, op.peer)
             call = op.call = op.call.numbered(seq, device.code)
+            if op.peer is None:
+                self._progress.start(seq, call)  # what a timed-out peer reads: which op, which call
             before_bytes = self.border.bytes_sent
             caller = stream = None
             if not device.host:
@@ -443,12 +444,20 @@ class HetCCLGroup(BaseGroup):
         text = str(exc)
         if isinstance(exc, HetCCLMismatchError):
             return HetCCLMismatchError(f"{where}: mismatched call: {text}")
+        other = None
         if peer is not None:
             missing = [peer]
         else:
             self._progress.publish()
-            missing = [r for r in self._progress.behind(self.world_size, seq) if r != self.rank]
+            seen = self._progress.seen(self.world_size)
+            missing = [r for r, (at, _) in seen.items() if at < seq and r != self.rank]
+            here = {r: Call.decode(row) for r, (at, row) in seen.items() if at == seq and row}
+            other = disagreement(here, [island.ranks for island in self.topology.islands]) if len(here) > 1 else None
         arrival = f"ranks that did not arrive: {missing}"
+        if isinstance(exc, HetCCLTimeoutError) and other is not None:  # they arrived, at another call or class
+            return HetCCLMismatchError(f"{where}: mismatched call, found when it timed out after "
+                                       f"{self.options.timeout_s:.1f}s (the ranks took different paths: the "
+                                       f"calls were not checked): {other}; {arrival}")
         if isinstance(exc, HetCCLTimeoutError):
             detail = f"; waiting for rank {exc.waiting_for}" if exc.waiting_for is not None else ""
             return HetCCLTimeoutError(f"{where} timed out after {self.options.timeout_s:.1f}s (Timed out waiting "

@@ -181,27 +181,27 @@ class OpBuilder:
 
     def gather(self, tensor: Any, gather_list: Any, root: int) -> Op:
         """Every rank's ``tensor`` into ``gather_list`` at ``root``: blocks to root only."""
-        x = Operand(self.one(tensor, "gather"), moving=True)
-        root = self.rank_of(root, "gather root")
-        outs = self.per_rank(gather_list, "gather_list", moving=True) if self.rank == root else []
-        same_kind(x.flat, [o.flat for o in outs], "gather_list")
-        n, empty, world = x.numel, x.flat[:0], self.world_size
-        counts = [[n if t == root else 0 for t in range(world)] for _ in range(world)]
-        ins = [x.flat if t == root else empty for t in range(world)]
-        return Op(Call("gather", x.flat.dtype, n, root), blocks=(ins, [o.flat for o in outs] or [empty] * world),
-                  counts=counts, written=outs)
+        return self._rooted("gather", tensor, gather_list, root)
 
     def scatter(self, tensor: Any, scatter_list: Any, root: int) -> Op:
         """``scatter_list[t]`` at ``root`` into rank t's ``tensor``: blocks from root only."""
-        x = Operand(self.one(tensor, "scatter"), moving=True)
-        root = self.rank_of(root, "scatter root")
-        ins = self.per_rank(scatter_list, "scatter_list", moving=True) if self.rank == root else []
-        same_kind(x.flat, [i.flat for i in ins], "scatter_list")
+        return self._rooted("scatter", tensor, scatter_list, root)
+
+    def _rooted(self, name: str, tensor: Any, tensor_list: Any, root: int) -> Op:
+        """A gather (every rank's block to ``root``'s list) or a scatter (``root``'s list, a block
+        to each rank) as an all-to-all whose block sizes the call fixes."""
+        x = Operand(self.one(tensor, name), moving=True)
+        root = self.rank_of(root, f"{name} root")
+        listed = self.per_rank(tensor_list, f"{name}_list", moving=True) if self.rank == root else []
+        same_kind(x.flat, [t.flat for t in listed], f"{name}_list")
         n, empty, world = x.numel, x.flat[:0], self.world_size
+        at_root = [t.flat for t in listed] or [empty] * world
+        mine = [x.flat if r == root else empty for r in range(world)]  # to or from the root only
+        if name == "gather":
+            counts = [[n if t == root else 0 for t in range(world)] for _ in range(world)]
+            return Op(Call(name, x.flat.dtype, n, root), blocks=(mine, at_root), counts=counts, written=listed)
         counts = [[n if r == root else 0 for _ in range(world)] for r in range(world)]
-        outs = [x.flat if r == root else empty for r in range(world)]
-        return Op(Call("scatter", x.flat.dtype, n, root), blocks=([i.flat for i in ins] or [empty] * world, outs),
-                  counts=counts, written=[x])
+        return Op(Call(name, x.flat.dtype, n, root), blocks=(at_root, mine), counts=counts, written=[x])
 
     def p2p(self, op: str, tensor: Any, peer: Any) -> Op:
         """A send or receive (``op``) of ``tensor`` with ``peer``."""
