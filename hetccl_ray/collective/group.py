@@ -1,9 +1,11 @@
 """HetCCLGroup: Ray's ``BaseGroup`` for islands of mixed vendors joined by a border.
 
-Rendezvous (KV records -> topology -> border + island communicators), then every collective
-goes through one wrapper (:meth:`HetCCLGroup._run`) that owns sequence numbers, deadlines,
-counters and error state; the plans in ``plans.py`` do the moving. A host message, which has
-no plan to choose, is posted straight over the border under the same state (:meth:`_post`).
+Rendezvous (KV records -> topology -> border + island communicators); then the Ray door
+turns each call into an ``Op`` record (``op.py``), and every op goes through one wrapper
+(:meth:`HetCCLGroup.run`) that owns sequence numbers, deadlines, counters, error state and
+stream order and takes the plan the record and the agreed data choose; the plans in
+``plans.py`` do the moving. A host message, which has no plan to choose, is posted straight
+over the border under the same state (:meth:`_post`).
 """
 
 from __future__ import annotations

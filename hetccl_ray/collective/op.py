@@ -58,6 +58,9 @@ class Op:
     agrees_counts: bool = False  # an all-to-all: block sizes agreed in its check
     ahead: Any = None  # an all-to-all's host blocks sent during its check (plans.SentAhead)
 
+    def __post_init__(self) -> None:
+        self.written = [o for o in self.written if not o.in_place]  # the op wrote the rest in place
+
     @property
     def name(self) -> str:
         return self.call.op
