@@ -90,6 +90,62 @@ def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_ho
     assert any("flat Gloo over every rank" in line and "allreduce >= 5,000 B" in line for line in p.describe())
 
 
+def _op(name: str, numel: int = 250, *, peer=None, counts: bool = False, offered=None):
+    import torch
+
+    from hetccl_ray.collective.calls import Call
+    from hetccl_ray.collective.op import Op
+
+    buf = torch.zeros(numel) if name != "barrier" else None
+    return Op(Call(name, torch.float32, numel if buf is not None else 0), buf, peer=peer, agrees_counts=counts,
+              offered=offered)
+
+
+def test_the_planner_chooses_how_every_op_runs_from_agreed_facts_alone():
+    """Planner.choose, the one place the path of an op is decided, against the rules written
+    out: messages and groups of one alone; the round up to the threshold; one island's vendor
+    op only on an agreed class (not for host calls the round takes, nor with strict); the
+    check before everything else unless calls are not checked, but always for all-to-all,
+    barrier and a class not yet agreed."""
+    from hetccl_ray.collective import planner as pl
+
+    one_island = Topology.from_islands(["a", "a", "a"])
+    two = pl.Planner(TWO_BY_TWO, dict.fromkeys(costs.OPS, 1000), flat=True, flat_from=dict.fromkeys(costs.OPS, 5000.0))
+    alone = pl.Planner(one_island, dict.fromkeys(costs.OPS, 1000))
+    c = lambda p, op, host=True, agreed=True: (lambda x: (x.path, x.plan))(p.choose(op, host, agreed))  # noqa: E731
+    assert c(two, _op("allreduce", 250)) == (pl.SMALL, pl.ROUND)  # 1,000 B: the round
+    assert c(two, _op("allreduce", 1000)) == (pl.CHECKED, pl.PLAN)
+    assert c(two, _op("allreduce", 1250)) == (pl.CHECKED, pl.FLAT)  # flat once the rows show host memory
+    assert c(two, _op("allgather", 62)) == (pl.SMALL, pl.ROUND)  # 62 x 4 ranks x 4 B: the whole buffer counts
+    assert c(two, _op("allgather", 250)) == (pl.CHECKED, pl.PLAN)
+    assert c(two, _op("send", 10 ** 6, peer=2)) == (pl.DIRECT, None)
+    assert c(two, _op("alltoall", 4, counts=True)) == (pl.CHECKED, None)
+    assert c(two, _op("barrier")) == (pl.CHECKED, None)
+    unchecked = pl.Planner(TWO_BY_TWO, dict.fromkeys(costs.OPS, 1000), check_calls=False)
+    assert c(unchecked, _op("broadcast", 250)) == (pl.SMALL, pl.TWO_HOP)
+    assert c(unchecked, _op("allreduce", 250)) == (pl.SMALL, pl.ROUND)  # the round carries rows anyway
+    assert c(unchecked, _op("allreduce", 10 ** 6)) == (pl.UNCHECKED, pl.PLAN)
+    assert c(unchecked, _op("alltoall", 4, counts=True)) == (pl.CHECKED, None)  # its block sizes need the rows
+    assert c(unchecked, _op("barrier")) == (pl.CHECKED, None)  # the check is the barrier
+    # one island: the vendor op alone once its device class is agreed
+    assert c(alone, _op("allreduce", 10 ** 6), host=False, agreed=False) == (pl.CHECKED, pl.PLAN)
+    assert c(alone, _op("allreduce", 10 ** 6), host=False) == (pl.VENDOR, pl.PLAN)
+    assert c(alone, _op("allreduce", 250), host=False) == (pl.VENDOR, pl.ROUND)  # device: no host round
+    assert c(alone, _op("allreduce", 250)) == (pl.SMALL, pl.ROUND)  # host: the round beats the library
+    assert c(alone, _op("allreduce", 10 ** 6)) == (pl.VENDOR, pl.PLAN)
+    assert c(alone, _op("alltoall", 4, counts=True), host=False) == (pl.CHECKED, None)
+    unchecked_alone = pl.Planner(one_island, dict.fromkeys(costs.OPS, 1000), check_calls=False)
+    assert c(unchecked_alone, _op("allreduce", 10 ** 6), agreed=False) == (pl.CHECKED, pl.PLAN)  # a new class
+    strict = pl.Planner(one_island, dict.fromkeys(costs.OPS, 1000), strict=True)
+    assert c(strict, _op("allreduce", 10 ** 6), host=False) == (pl.CHECKED, pl.PLAN)
+    assert c(pl.Planner(Topology.from_islands(["a"])), _op("allreduce", 10 ** 6)) == (pl.DIRECT, pl.PLAN)
+    # one host: the op's host buffers go with its check
+    shm = pl.shared_memory(TWO_BY_TWO)
+    assert shm.choose(_op("allreduce", 10, offered=[]), True, True) == pl.Choice(pl.CHECKED, pl.FLAT, True)
+    assert shm.choose(_op("allreduce", 10, offered=[]), False, True) == pl.Choice(pl.CHECKED, pl.FLAT, False)
+    assert shm.choose(_op("gather", 10), True, True) == pl.Choice(pl.CHECKED, None, False)  # it offers nothing
+
+
 def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_won():
     import collections
     import time

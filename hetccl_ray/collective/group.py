@@ -35,7 +35,6 @@ from hetccl_ray.collective.direct import DirectChannel
 from hetccl_ray.collective.formation import form
 from hetccl_ray.collective.island import IslandComm, make_island
 from hetccl_ray.collective.op import Op, OpBuilder, Reduce
-from hetccl_ray.collective.opkinds import kind
 from hetccl_ray.collective.options import GroupOptions
 from hetccl_ray.collective.progress import Progress
 from hetccl_ray.buffers import copy
@@ -131,9 +130,10 @@ class HetCCLGroup(BaseGroup):
         self._flat = self._flat_library() if flat else None
         self._shared = self._flat if isinstance(self._flat, shm.ShmLibrary) else None
         if self._shared is not None:  # one host: every call checked and CPU data moved in shared memory
-            self.planner = planner.shared_memory(self.topology)
+            self.planner = planner.shared_memory(self.topology, self.options.check_calls, self.options.strict)
             return
-        self.planner = planner.Planner(self.topology, one_hop=self.options.one_hop)
+        self.planner = planner.Planner(self.topology, one_hop=self.options.one_hop,
+                                       check_calls=self.options.check_calls, strict=self.options.strict)
         planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
@@ -326,45 +326,24 @@ class HetCCLGroup(BaseGroup):
                                     f"({self._broken}); destroy and re-create it") from self._broken
 
     def _dispatch(self, ctx: PlanContext, op: Op) -> Optional[str]:
-        """Which plan ``op`` takes, from what every rank knows alike (the call's size, the
-        group's measured thresholds and topology, the rows a check agreed), and runs it; returns
-        who disagrees (None: the op ran):
-
-        - a collective up to the small-message threshold runs its round (rounds.py's plan, whose
-          messages also carry every rank's call; with calls not checked, a broadcast takes two
-          hops instead); device buffers go through host memory for it;
-        - a group of one island runs the vendor op alone (on the stream for device tensors)
-          with no host round, once a check showed every rank on the device class (except host
-          collectives small enough for the round; its calls are checked only with ``strict``);
-        - else the rows-only round (unless ``check_calls`` is off; an all-to-all's always, with
-          its block sizes), then the op's plan: flat where the planner chose it and the rows show
-          host memory on every rank, else hierarchical.
-        """
-        call, problem, checked = op.call, None, False
-        # a group of one island takes the vendor op alone only on a device class a check showed
-        # every rank on: ranks on different classes would wait in different libraries (a hang)
-        unchecked = len(self.topology.islands) == 1 and ctx.device.code not in self._agreed
-        small = kind(call.op).round  # a collective the round and the flat plan can run
-        plan = self.plan_of(call.op, kind(call.op).whole_bytes(call.numel * call.dtype.itemsize,
-                                                               self.world_size)) if small else None
-        by_round = plan in (planner.ROUND, planner.TWO_HOP)  # the small plans
-        moves = op.tensor is not None and call.numel > 0
+        """Run ``op`` the way the planner chooses (``Planner.choose``: from the call, the
+        topology, the agreed thresholds and the device classes checks showed); returns who
+        disagrees (None: the op ran). Device buffers go through host memory for the round."""
+        choice, problem = self.planner.choose(op, ctx.device.host, ctx.device.code in self._agreed), None
         for into, source in op.copy_in:
             ctx.launch(copy, into, source)
-        if op.peer is not None or self.world_size == 1:
-            if moves:
+        if choice.path in (planner.DIRECT, planner.VENDOR):
+            if op.moves:
                 self._plan(ctx, op)
-        elif moves and not op.agrees_counts and self._fast_path(ctx.device, by_round) and not unchecked:
-            self._plan(ctx, op)
-        elif by_round:
-            problem, checked = self._staged(ctx, op, plan), plan == planner.ROUND
+        elif choice.path == planner.SMALL:
+            problem = self._staged(ctx, op, choice.plan)
         else:
-            if ctx.shared is not None and op.offered is not None and ctx.device.host and self.options.check_calls:
-                ctx.shared.ahead(op.offered, pull=op.agrees_counts)
-            if op.agrees_counts or self.options.check_calls or op.tensor is None or unchecked:
-                problem, checked = self._check(ctx, op), True
-            if problem is None and moves:
-                if plan == planner.FLAT and ctx.every_rank_on_host():  # the rows show CPU tensors on every rank
+            if choice.offers:
+                self._shared.ahead(op.offered, pull=op.agrees_counts)
+            if choice.path == planner.CHECKED:
+                problem = self._check(ctx, op)
+            if problem is None and op.moves:
+                if choice.plan == planner.FLAT and ctx.every_rank_on_host():  # the rows show CPU tensors everywhere
                     ctx.flat = self._flat
                 self._plan(ctx, op)
         if problem is None:
@@ -372,8 +351,8 @@ class HetCCLGroup(BaseGroup):
                 ctx.launch(copy, into, source)
             for operand in op.written:
                 ctx.launch(operand.write_back)
-        if checked and problem is None:
-            self._agreed.add(ctx.device.code)
+            if choice.path == planner.CHECKED or choice.plan == planner.ROUND:  # its rows showed every rank's class
+                self._agreed.add(ctx.device.code)
         return problem
 
     @staticmethod
@@ -398,12 +377,6 @@ class HetCCLGroup(BaseGroup):
             (plans.send if op.name == "send" else plans.recv)(ctx, op.buf, op.peer)
         else:
             plans.collective(ctx, op.name, op.buf, max(op.call.root, 0), op.call.reduce, op.out)
-
-    def _fast_path(self, device: devices.Device, small: bool) -> bool:
-        """A group of one island runs the vendor op alone, with no host round before it (as
-        NCCL or Gloo would run it): on device buffers always, on host buffers above the small
-        round's threshold (below it the round is faster than Gloo, and checks the calls too)."""
-        return len(self.topology.islands) == 1 and not self.options.strict and not (device.host and small)
 
     def _stream_of(self, device: devices.Device) -> Optional[devices.StreamLike]:
         """The group's side stream on ``device`` (None for host memory)."""

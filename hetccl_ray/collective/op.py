@@ -73,6 +73,11 @@ class Op:
         return self.blocks[0][0] if self.blocks is not None else None
 
     @property
+    def moves(self) -> bool:
+        """Whether the op moves data (not a barrier, nor a call of no elements)."""
+        return self.tensor is not None and self.call.numel > 0
+
+    @property
     def staged(self) -> list[torch.Tensor]:
         """The buffers the small round runs over."""
         return [t for t in (self.buf, self.out) if t is not None]

@@ -20,6 +20,8 @@ from typing import Callable, Optional
 import torch
 
 from hetccl_ray.collective import costs
+from hetccl_ray.collective.op import Op
+from hetccl_ray.collective.opkinds import kind
 from hetccl_ray.topology import Topology
 
 PROBE_ROUNDS, PROBE_BYTES = 7, (256 << 10, 4 << 20)  # formation's timed rounds for the cost model
@@ -36,6 +38,22 @@ OP_PROBE_BYTES = (4 << 20, 16 << 20)
 OP_PROBE_BUDGET_S = 2.0
 ROUND, PLAN, FLAT = "round", "plan", "flat"
 TWO_HOP = "2hop"  # a small broadcast whose calls are not checked: the round's place, no rows
+# how an op runs (Choice.path): its plan alone (a message, a group of one); the vendor op alone
+# (one island); the small plan (the round, rows inside, or the two-hop broadcast); the rows-only
+# check, then the plan; the plan with no check (calls not checked)
+DIRECT, VENDOR, SMALL, CHECKED, UNCHECKED = "direct", "vendor", "small", "checked", "unchecked"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one op runs: ``path`` (DIRECT, VENDOR, SMALL, CHECKED, UNCHECKED) and, for the ops
+    the round and the flat library run, ``plan`` (ROUND, TWO_HOP, FLAT or PLAN; FLAT once the
+    check's rows show host memory on every rank); ``offers``: on one host, the op's host
+    buffers are published with its check (the shared-memory op reads them there)."""
+
+    path: str
+    plan: Optional[str] = None
+    offers: bool = False
 
 
 @dataclass
@@ -52,6 +70,39 @@ class Planner:
     forced: Optional[str] = None  # ROUND, PLAN or FLAT whatever the size: what calibration times
     shared_memory: bool = False  # the flat library is shm.py's (every rank on one host), not Gloo
     one_hop: bool = False  # small rounds and checks in one hop (rounds.py): the ``one_hop`` option
+    check_calls: bool = True  # the ``check_calls`` option: a rows round before ops that carry no rows
+    strict: bool = False  # the ``strict`` option: a group of one island checks its calls too
+
+    def choose(self, op: Op, host: bool, agreed: bool) -> Choice:
+        """How ``op`` runs, from what every rank knows alike: the call, the topology, the
+        thresholds agreed at formation, and ``agreed`` (a check showed every rank on this op's
+        device class; ``host``: that class is host memory, which every rank of one island
+        shares then). The order of the rules:
+
+        - a message, or a group of one: the op's plan alone;
+        - a group of one island runs the vendor op alone (as NCCL or Gloo would) once its
+          device class is agreed, except a host collective the round takes (faster than the
+          library, and checked) and with ``strict``;
+        - a collective up to its small-message threshold: the round (``check_calls`` off: a
+          broadcast in two hops);
+        - else the rows-only check (always for an all-to-all, whose block sizes it agrees, for
+          the barrier, which it is, and for an op on a class not yet agreed in one island;
+          otherwise unless ``check_calls`` is off), then the plan: flat where the planner
+          chose it and the rows show host memory on every rank, else hierarchical."""
+        call, topo = op.call, self.topology
+        row = kind(call.op)
+        plan = (self.plan_of(call.op, row.whole_bytes(call.numel * call.dtype.itemsize, topo.world_size),
+                             checked=self.check_calls) if row.round else None)
+        if op.peer is not None or topo.world_size == 1:
+            return Choice(DIRECT, plan)
+        one_island, small = len(topo.islands) == 1, plan in (ROUND, TWO_HOP)
+        if one_island and agreed and op.moves and not op.agrees_counts and not self.strict and not (host and small):
+            return Choice(VENDOR, plan)
+        if small:
+            return Choice(SMALL, plan)
+        checked = op.agrees_counts or self.check_calls or op.tensor is None or (one_island and not agreed)
+        offers = self.shared_memory and op.offered is not None and host and self.check_calls
+        return Choice(CHECKED if checked else UNCHECKED, plan, offers)
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"round", "2hop", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests'
@@ -113,11 +164,11 @@ def _probes(broadcasts: list[Callable[[torch.Tensor], None]], rounds: int) -> li
     return times
 
 
-def shared_memory(topology: Topology) -> Planner:
+def shared_memory(topology: Topology, check_calls: bool = True, strict: bool = False) -> Planner:
     """The plan choice of a group on one host (shm.py): no round, the flat plan at every size
     for CPU tensors (no socket is faster than shared memory), the hierarchical one for devices."""
     return Planner(topology, dict.fromkeys(costs.OPS, -1), True, dict.fromkeys(costs.OPS, 0.0),
-                   shared_memory=True)
+                   shared_memory=True, check_calls=check_calls, strict=strict)
 
 
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
