@@ -141,9 +141,9 @@ def test_the_planner_chooses_how_every_op_runs_from_agreed_facts_alone():
     assert c(pl.Planner(Topology.from_islands(["a"])), _op("allreduce", 10 ** 6)) == (pl.DIRECT, pl.PLAN)
     # one host: the op's host buffers go with its check
     shm = pl.shared_memory(TWO_BY_TWO)
-    assert shm.choose(_op("allreduce", 10, offered=[]), True, True) == pl.Choice(pl.CHECKED, pl.FLAT, True)
-    assert shm.choose(_op("allreduce", 10, offered=[]), False, True) == pl.Choice(pl.CHECKED, pl.FLAT, False)
-    assert shm.choose(_op("gather", 10), True, True) == pl.Choice(pl.CHECKED, None, False)  # it offers nothing
+    assert shm.choose(_op("allreduce", 10, offered=[]), True, True) == pl.Choice(pl.CHECKED, pl.FLAT, True, True)
+    assert shm.choose(_op("allreduce", 10, offered=[]), False, True) == pl.Choice(pl.CHECKED, pl.FLAT, False, False)
+    assert shm.choose(_op("gather", 10), True, True) == pl.Choice(pl.CHECKED, None, False, True)  # offers nothing
 
 
 def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_won():

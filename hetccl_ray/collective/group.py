@@ -330,6 +330,7 @@ class HetCCLGroup(BaseGroup):
         topology, the agreed thresholds and the device classes checks showed); returns who
         disagrees (None: the op ran). Device buffers go through host memory for the round."""
         choice, problem = self.planner.choose(op, ctx.device.host, ctx.device.code in self._agreed), None
+        ctx.host_path = choice.host_path
         for into, source in op.copy_in:
             ctx.launch(copy, into, source)
         if choice.path in (planner.DIRECT, planner.VENDOR):
@@ -399,7 +400,7 @@ class HetCCLGroup(BaseGroup):
         """The small ``plan`` on host copies of device buffers (as is for host ones): wait for
         the stream, copy down, run it, launch the copies back up."""
         staged = op.staged
-        if ctx.device.host:
+        if ctx.host_path:
             return self._small(ctx, op.call, plan, *staged)
         ctx.host_wait()
         hosts = [self._scratch.host(("staged", i), t, ctx.device) for i, t in enumerate(staged)]

@@ -49,11 +49,15 @@ class Choice:
     """How one op runs: ``path`` (DIRECT, VENDOR, SMALL, CHECKED, UNCHECKED) and, for the ops
     the round and the flat library run, ``plan`` (ROUND, TWO_HOP, FLAT or PLAN; FLAT once the
     check's rows show host memory on every rank); ``offers``: on one host, the op's host
-    buffers are published with its check (the shared-memory op reads them there)."""
+    buffers are published with its check (the shared-memory op reads them there); ``host_path``:
+    the op's buffers take the host path (messages over the border's socket, blocks sent ahead,
+    pulls; the small round on the buffers themselves), else the device path (island peers
+    through the island library, the round on host copies)."""
 
     path: str
     plan: Optional[str] = None
     offers: bool = False
+    host_path: bool = False
 
 
 @dataclass
@@ -94,15 +98,15 @@ class Planner:
         plan = (self.plan_of(call.op, row.whole_bytes(call.numel * call.dtype.itemsize, topo.world_size),
                              checked=self.check_calls) if row.round else None)
         if op.peer is not None or topo.world_size == 1:
-            return Choice(DIRECT, plan)
+            return Choice(DIRECT, plan, host_path=host)
         one_island, small = len(topo.islands) == 1, plan in (ROUND, TWO_HOP)
         if one_island and agreed and op.moves and not op.agrees_counts and not self.strict and not (host and small):
-            return Choice(VENDOR, plan)
+            return Choice(VENDOR, plan, host_path=host)
         if small:
-            return Choice(SMALL, plan)
+            return Choice(SMALL, plan, host_path=host)
         checked = op.agrees_counts or self.check_calls or op.tensor is None or (one_island and not agreed)
         offers = self.shared_memory and op.offered is not None and host and self.check_calls
-        return Choice(CHECKED if checked else UNCHECKED, plan, offers)
+        return Choice(CHECKED if checked else UNCHECKED, plan, offers, host)
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
         """"round", "2hop", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests'

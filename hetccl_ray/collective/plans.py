@@ -93,7 +93,7 @@ class SentAhead:
     def _block(self, peer: int) -> Optional[torch.Tensor]:
         """The block for ``peer`` that goes ahead (none from device memory, to itself, or empty)."""
         block = self.inputs[peer]
-        return block if self.ctx.device.host and peer != self.ctx.rank and block.numel() else None
+        return block if self.ctx.host_path and peer != self.ctx.rank and block.numel() else None
 
     def carry(self, peer: int) -> Optional[torch.Tensor]:
         """The block for ``peer`` where it rides in the round's message to it (tree.rides)."""
@@ -157,7 +157,7 @@ def _routed(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[
     """The blocks of ``counts`` along routes.py's routes, as its plan. Moves inside an island
     take the border's socket for CPU tensors, one vendor all-to-all per stage for device ones."""
     me, world = ctx.rank, ctx.topo.world_size
-    by_island = ctx.direct is None or not ctx.device.host
+    by_island = ctx.direct is None or not ctx.host_path
     count = ctx.pieces(routes.largest_crossing(ctx.topo, counts) * inputs[me].element_size())
     plan = routes.plan(ctx.topo, me, tuple(map(tuple, counts)), count, by_island)
     named = {**{f"in:{t}": inputs[t] for t in range(world)}, **{f"out:{r}": outputs[r] for r in range(world)}}
@@ -168,7 +168,7 @@ def _by_island(ctx: PlanContext, peer: int) -> bool:
     """Whether a message to ``peer`` goes through the island library: device tensors to an
     island peer do; CPU tensors take the border's socket (one hop, cheaper than Gloo's P2P)."""
     same = ctx.topo.island_of(peer) == ctx.my_island
-    return same and (ctx.direct is None or not ctx.device.host)
+    return same and (ctx.direct is None or not ctx.host_path)
 
 
 _PULL = b"pull"  # a message's control bytes: its payload is where the sender's bytes lie, to be pulled
@@ -198,7 +198,7 @@ def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     through a socket); the border otherwise."""
     if _by_island(ctx, peer):
         ctx.island.send(buf, ctx.topo.local_rank(peer))
-    elif by_socket(ctx.shared, ctx.routed, peer) and ctx.device.host and ctx.shared.pulls_message(buf.nbytes):
+    elif by_socket(ctx.shared, ctx.routed, peer) and ctx.host_path and ctx.shared.pulls_message(buf.nbytes):
         where = torch.tensor([buf.data_ptr(), buf.nbytes], dtype=torch.int64)
         ctx.wait(ctx.direct.isend(peer, where, ctx.tag, extra=_PULL))
         ctx.shared.wait_pulled(peer)
@@ -221,7 +221,7 @@ def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
         address, nbytes = landed
         if address is None or nbytes != buf.nbytes:
             raise mismatch(ctx.rank, ctx.tag, buf.nbytes, peer, ctx.tag, nbytes)
-        into = buf if ctx.device.host else torch.empty(buf.shape, dtype=buf.dtype)
+        into = buf if ctx.host_path else torch.empty(buf.shape, dtype=buf.dtype)
         ctx.shared.pull_message(peer, into, address)
         if into is not buf:
             ctx.launch(copy, buf, into)

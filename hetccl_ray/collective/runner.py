@@ -65,6 +65,10 @@ class PlanContext:
     shared: Any = None  # every rank on one host: the shared-memory library (shm.py) checks calls and moves CPU data
     routed: frozenset[int] = frozenset()  # peers ``border`` reaches over a border of their own (RDMA), not ``direct``
     one_hop: bool = False  # the group's small rounds and checks go in one hop (rounds.py), not three
+    # the planner's path for the op's buffers: the host path (messages over the border's socket,
+    # host blocks sent ahead, pulled on one host) or the device path (island peers through the
+    # island library, pulled bytes staged through host memory)
+    host_path: bool = False
 
     def __post_init__(self) -> None:
         self.vendor = self.island  # the island library itself; ``island`` launches on the stream
