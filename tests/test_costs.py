@@ -189,6 +189,12 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_
     assert p.plan_of("broadcast", m1) == planner.PLAN and p.plan_of("broadcast", m16) == planner.FLAT
     assert p.plan_of("allreduce", m4) == planner.FLAT and p.plan_of("reduce", 64 << 20) == planner.PLAN
     assert "(three hops)" in p.describe()[1]
+    # the header shows what the races measured: every rung and plan raced, a slow one as slow
+    assert {(op, size, plan) for op, by_size in p.races.items() for size, times in by_size.items()
+            for plan in times} == {(op, size, plan) for (op, size), plans in raced.items() for plan in plans}
+    assert p.races["reduce"][m16][planner.FLAT] > p.races["reduce"][m16][planner.PLAN]  # 5 ms against 3, summed
+    raced_line = next(line for line in p.describe() if line.startswith("raced reduce"))
+    assert f"{m16:,} B plan " in raced_line and " flat " in raced_line
 
 
 def test_a_one_hop_group_reads_its_timed_checks_as_one_hop():

@@ -75,6 +75,8 @@ class Planner:
     shared_memory: bool = False  # the flat library is shm.py's (every rank on one host), not Gloo
     one_hop: bool = False  # small rounds and checks in one hop (rounds.py): the ``one_hop`` option
     check_calls: bool = True  # the ``check_calls`` option: a rows round before ops that carry no rows
+    # what calibration's races measured: per op, per size, each plan's seconds summed over ranks
+    races: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
     strict: bool = False  # the ``strict`` option: a group of one island checks its calls too
 
     def choose(self, op: Op, host: bool, agreed: bool) -> Choice:
@@ -136,6 +138,10 @@ class Planner:
             how = self.flat_link.describe() if self.flat_link else given
             library = "shared memory" if self.shared_memory else "Gloo"
             lines.append(f"flat {library} over every rank ({how}) for: {sizes or 'none'}")
+        for op, by_size in self.races.items():
+            rungs = "; ".join(f"{size:,} B " + " ".join(f"{plan} {seconds * 1e3:.1f}" for plan, seconds in times.items())
+                              for size, times in sorted(by_size.items()))
+            lines.append(f"raced {op} (ms, summed over ranks): {rungs}")
         return lines
 
 
@@ -266,6 +272,7 @@ def _run_ladder(planner: Planner, sizes: list[int], flat: bool,
         if not entrants:
             break
         for op, seconds in race(size, entrants).items():
+            planner.races.setdefault(op, {})[size] = seconds
             if ROUND in seconds and min(seconds, key=seconds.get) != ROUND:
                 round_lost[op] = float(size)
             if flat:
