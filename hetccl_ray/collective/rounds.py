@@ -32,7 +32,7 @@ import functools
 from typing import Optional
 
 from hetccl_ray.collective.opkinds import ROUND_OPS, kind
-from hetccl_ray.collective.schedule import BorderStep, Land, Move, Piece, Plan, Ref
+from hetccl_ray.collective.schedule import FoldIn, Land, Move, Piece, Plan, Ref, RowsStep
 from hetccl_ray.topology import Topology
 
 
@@ -60,10 +60,10 @@ def _whole(name: str, n: int) -> Ref:
 
 
 def _phase(name: str, sends: list[tuple[int, Optional[Ref]]], recvs: list[tuple[int, int]],
-           lands: tuple[Land, ...] = ()) -> BorderStep:
+           lands: tuple[Land, ...] = ()) -> RowsStep:
     """One phase's step: a send of None carries the rows only; a receive lands in its slot."""
-    return BorderStep(tuple(Move(peer, (0, 0)) if ref is None else Move(peer, ref[1:], ref[0]) for peer, ref in sends),
-                      tuple(Move(peer, (0, n), slot(name, peer)) for peer, n in recvs), rows=True, lands=lands)
+    return RowsStep(tuple(Move(peer, (0, 0)) if ref is None else Move(peer, ref[1:], ref[0]) for peer, ref in sends),
+                    tuple(Move(peer, (0, n), slot(name, peer)) for peer, n in recvs), lands)
 
 
 class _Builder:
@@ -103,8 +103,7 @@ class _Builder:
 
     def _island_partial(self, n: int) -> Land:
         """The leader's own buffer folded with its members' (local rank order) into ``partial``."""
-        return Land(_whole("partial", n), (_whole("buf", n), *(_whole(slot("up", m), n) for m in self.members)),
-                    fold=True)
+        return FoldIn(_whole("partial", n), (_whole("buf", n), *(_whole(slot("up", m), n) for m in self.members)))
 
     def _result(self, into: Ref, held: Ref) -> Land:
         """Into ``into``: the leader's ``held``, or (a member) what came down."""
@@ -120,7 +119,7 @@ class _Builder:
         others = dict.fromkeys(self.others, _whole("partial", n))
         return self.round("allreduce", _whole("buf", n), dict.fromkeys(self.members, n), others,
                           dict.fromkeys(self.others, n), dict.fromkeys(self.members, total), n,
-                          ((self._island_partial(n),), (Land(total, self._ordered(_whole("partial", n)), True),)),
+                          ((self._island_partial(n),), (FoldIn(total, self._ordered(_whole("partial", n))),)),
                           (self._result(_whole("buf", n), total),), (("partial", n), ("total", n)))
 
     def reduce(self) -> Plan:
@@ -134,7 +133,7 @@ class _Builder:
                           dict.fromkeys(self.others, n) if home else {},
                           {self.root: total} if self.root in self.members else {}, n if self.rank == self.root else 0,
                           ((self._island_partial(n),),
-                           (Land(total, self._ordered(_whole("partial", n)), True),) if home else ()),
+                           (FoldIn(total, self._ordered(_whole("partial", n))),) if home else ()),
                           finish, (("partial", n), ("total", n)))
 
     def broadcast(self) -> Plan:
@@ -177,7 +176,7 @@ class _Builder:
                           {j: ("partial", *regions[j]) for j in self.others}, dict.fromkeys(self.others, own),
                           down, c,
                           ((self._island_partial(n),),
-                           (Land(_whole("total", own), self._ordered(("partial", *regions[self.me])), True),)),
+                           (FoldIn(_whole("total", own), self._ordered(("partial", *regions[self.me]))),)),
                           (self._result(_whole("out", c), ("total", 0, c)),), (("partial", n), ("total", own)))
 
 
@@ -198,8 +197,8 @@ class _OneHop:
 
     def _folded(self, own: Ref, n: int) -> Land:
         """Every rank's ``n`` elements (this rank's ``own``) folded in rank order into ``total``."""
-        return Land(_whole("total", n), tuple(own if r == self.rank else _whole(slot("one", r), n)
-                                              for r in range(self.world)), fold=True)
+        return FoldIn(_whole("total", n), tuple(own if r == self.rank else _whole(slot("one", r), n)
+                                                for r in range(self.world)))
 
     def check(self) -> Plan:
         return self.round("check", {}, {})

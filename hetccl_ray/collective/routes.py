@@ -113,8 +113,8 @@ def plan(topo: Topology, rank: int, counts: Counts, pieces: int, by_island: bool
                 offset, length = schedule.piece_of((0, counts[r][t]), q, pieces)
                 out.append(schedule.Move(m.dst if sending else m.src, (base + offset, length), name))
             return tuple(out)
-        return schedule.BorderStep(moved(way.sends[stage], True), moved(way.recvs[stage], False),
-                                   island=by_island and stage != ACROSS)
+        kind = schedule.IslandMoves if by_island and stage != ACROSS else schedule.BorderStep
+        return kind(moved(way.sends[stage], True), moved(way.recvs[stage], False))
 
     steps = [schedule.Piece((step(GATHER, q),), (step(ACROSS, q),), (step(SCATTER, q),)) for q in range(pieces)]
     return schedule.Plan("alltoall", rank, sum(counts[rank]), tuple(steps), scratch=(("staged", total),))

@@ -25,7 +25,8 @@ from hetccl_ray.buffers import combine, copy, view
 from hetccl_ray.collective import opkinds
 from hetccl_ray.collective.calls import all_host
 from hetccl_ray.collective.island import IslandComm
-from hetccl_ray.collective.schedule import BUF, BorderStep, IslandStep, Land, Move, Plan, Span, Step
+from hetccl_ray.collective.schedule import (BUF, BorderStep, FoldIn, FoldStep, IslandMoves, IslandStep, Land, Move, Plan,
+                                            Ref, RowsStep, Span, Step)
 from hetccl_ray.devices import HOST, Device, StreamLike
 from hetccl_ray.errors import HetCCLTimeoutError
 from hetccl_ray.topology import Topology
@@ -193,6 +194,10 @@ class _Buffers:
     def of(self, name: str, span: Span) -> torch.Tensor:
         return view(self.held[name], span)
 
+    def ref(self, ref: Ref) -> torch.Tensor:
+        name, offset, n = ref
+        return self.held[name][offset:offset + n]
+
     def moved(self, moves: Sequence[Move]) -> list[tuple[int, torch.Tensor]]:
         """Each move's peer and view."""
         return [(move.peer, self.of(move.buf, move.span)) for move in moves]
@@ -203,46 +208,117 @@ class _Buffers:
         into = self.held[move.buf] = self.ctx.scratch.get(("plan", move.buf), n, self.like) if n else self.like[:0]
         return into
 
-    def land(self, lands: Sequence[Land], op: Optional[str]) -> None:
-        held, launch = self.held, self.ctx.launch
-        for step in lands:
-            (name, offset, n), parts = step.out, step.parts
-            out = held[name][offset:offset + n]
-            for i, (part, at, length) in enumerate(parts if step.fold else parts[:1]):
-                if i:
-                    launch(combine, out, held[part][at:at + length], op)
-                else:
-                    launch(copy, out, held[part][at:at + length])
+
+class _Run:
+    """How each kind of step runs (``schedule.Runs``) for one stage of one plan: the op's
+    context, buffers, reduce op and agreement; ``where``: the stage, whose scratch is its own
+    (stages overlap)."""
+
+    def __init__(self, ctx: PlanContext, held: _Buffers, op: Optional[str], agreement: Optional[Agreement],
+                 where: str) -> None:
+        self.ctx, self.held, self.op, self.agreement, self.where = ctx, held, op, agreement, where
+
+    def steps(self, steps: Sequence[Step | Land]) -> None:
+        for step in steps:
+            step.run(self)
+
+    def island(self, step: IslandStep) -> None:
+        """The island library's op (the flat library's where the planner chose it)."""
+        library = self.ctx.flat if self.ctx.flat is not None else self.ctx.island
+        _ISLAND_CALLS[step.op](library, self.held.of(BUF, step.span), step, self.op)
+
+    def land(self, land: Land) -> None:
+        self.ctx.launch(copy, self.held.ref(land.out), self.held.ref(land.parts[0]))
+
+    def fold_in(self, land: FoldIn) -> None:
+        out = self.held.ref(land.out)
+        self.land(land)
+        for part in land.parts[1:]:
+            self.ctx.launch(combine, out, self.held.ref(part), self.op)
+
+    def exchange(self, step: BorderStep) -> None:
+        """Copies land in place, a peer's several small ones packed in one message each way
+        (both ends see the same moves, so both decide alike)."""
+        ctx, unpack, recvs = self.ctx, [], []
+        for peer, views in _per_peer(step.recvs, self.held).items():
+            if _packs(views):
+                into = ctx.scratch.get(("packed", self.where, peer), sum(v.numel() for v in views), views[0])
+                recvs.append((peer, into))
+                unpack.append((into, views))
+            else:
+                recvs += [(peer, view) for view in views]
+        ctx.exchange(self._sends(step), recvs)
+        for packed, views in unpack:
+            _unpack(packed, views)
+        self.steps(step.lands)
+
+    def fold(self, step: FoldStep) -> None:
+        """Of the folds into one span, the first reduces as it lands and the rest land in
+        scratch and are folded in after, in the step's order."""
+        ctx, recvs, staged, folding = self.ctx, [], [], set()
+        for move in step.recvs:
+            target = self.held.of(move.buf, move.span)
+            if (move.buf, move.span) not in folding:
+                folding.add((move.buf, move.span))
+                recvs.append((move.peer, target, self.op))
+            else:
+                partial = ctx.scratch.get(("fold", len(staged)), move.span[1], self.held.like)
+                staged.append((target, partial))
+                recvs.append((move.peer, partial))
+        ctx.exchange(self._sends(step), recvs)
+        for target, partial in staged:
+            ctx.launch(combine, target, partial, self.op)
+        self.steps(step.lands)
+
+    def _sends(self, step: BorderStep) -> list[tuple[int, torch.Tensor]]:
+        outgoing = _per_peer(step.sends, self.held)
+        if any(map(_packs, outgoing.values())):
+            self.ctx.host_wait()  # packing reads the buffers on the host: their producing work first
+        sends: list[tuple[int, torch.Tensor]] = []
+        for peer, views in outgoing.items():
+            sends += [(peer, torch.cat(views))] if _packs(views) else [(peer, part) for part in views]
+        return sends
+
+    def rows(self, step: RowsStep) -> None:
+        """A step of the small round: every message carries the rows over the TCP border, its
+        data only while the calls may still agree (or what rides with a rows-only round);
+        receives are flexible; lands while sizes agree."""
+        ctx, held, agreement = self.ctx, self.held, self.agreement
+        moving = agreement.moving(ctx)
+        border, tag, ahead = ctx.direct, agreement.tag, agreement.ahead
+        receives = [border.irecv(m.peer, held.slot(m), tag, flexible=True) for m in step.recvs]
+        sends, extra = [], agreement.packed()
+        for m in step.sends:
+            rides = ahead.carry(m.peer) if ahead is not None else None
+            data = rides if rides is not None else held.of(m.buf, m.span) if moving else held.like[:0]
+            sends.append(border.isend(m.peer, data, tag, extra=extra))
+            if ahead is not None:
+                ahead.send(m.peer)
+        for handle in sends + receives:
+            ctx.wait(handle)
+        if agreement.arrived(receives):
+            self.steps(step.lands)
+
+    def island_moves(self, step: IslandMoves) -> None:
+        if self.ctx.my_island.size > 1:
+            self.ctx.launch(_island_alltoall, self.ctx, self.held.moved(step.sends), self.held.moved(step.recvs),
+                            self.held.like)
 
 
 def execute(ctx: PlanContext, plan: Plan, buffers: Mapping[str, torch.Tensor], op: Optional[str] = None,
             agreement: Optional[Agreement] = None, like: Optional[torch.Tensor] = None) -> Optional[str]:
     """Run ``plan`` over its named ``buffers`` (scratch takes the dtype and device of ``like``,
-    else of the first; ``op``: the reduce op of folds and island reductions; island steps on
-    the flat library where the planner chose it). Its rows steps carry ``agreement``'s rows;
-    then who disagrees is returned (None: every rank made the call, and the finish is written)."""
-    library = ctx.flat if ctx.flat is not None else ctx.island
+    else of the first; ``op``: the reduce op of folds and island reductions). Its rows steps
+    carry ``agreement``'s rows; then who disagrees is returned (None: every rank made the
+    call, and the finish is written)."""
     held = _Buffers(ctx, plan, buffers, like)
-
-    def stage(steps: Sequence[Step], where: str) -> None:
-        for step in steps:
-            if isinstance(step, IslandStep):
-                _ISLAND_CALLS[step.op](library, held.of(BUF, step.span), step, op)
-            elif step.rows:
-                _rows_step(ctx, step, held, op, agreement)
-            elif step.island:
-                if ctx.my_island.size > 1:
-                    ctx.launch(_island_alltoall, ctx, held.moved(step.sends), held.moved(step.recvs), held.like)
-            else:
-                _border_step(ctx, step, held, op, where)
-                held.land(step.lands, op)
-
+    inside, across = (_Run(ctx, held, op, agreement, where) for where in ("inside", "across"))
     pieces = plan.pieces
-    pipelined(ctx, len(pieces), lambda q: stage(pieces[q].before, "inside"),
-              lambda q: stage(pieces[q].across, "across"), lambda q: stage(pieces[q].after, "inside"))
+    pipelined(ctx, len(pieces), lambda q: inside.steps(pieces[q].before),
+              lambda q: across.steps(pieces[q].across), lambda q: inside.steps(pieces[q].after))
     problem = agreement.verdict(ctx) if agreement is not None else None
     if problem is None:
-        held.land(plan.finish, op)
+        inside.steps(plan.finish)
     return problem
 
 
@@ -277,27 +353,6 @@ class Ahead(Protocol):
         """Right after the message to ``peer`` is posted: what follows it on that link."""
 
 
-def _rows_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optional[str],
-               agreement: Agreement) -> None:
-    """A step of the small round: every message carries the rows over the TCP border, its
-    data only while the calls may still agree (or what rides with a rows-only round);
-    receives are flexible; lands while sizes agree."""
-    moving = agreement.moving(ctx)
-    border, tag, ahead = ctx.direct, agreement.tag, agreement.ahead
-    receives = [border.irecv(m.peer, held.slot(m), tag, flexible=True) for m in step.recvs]
-    sends, extra = [], agreement.packed()
-    for m in step.sends:
-        rides = ahead.carry(m.peer) if ahead is not None else None
-        data = rides if rides is not None else held.of(m.buf, m.span) if moving else held.like[:0]
-        sends.append(border.isend(m.peer, data, tag, extra=extra))
-        if ahead is not None:
-            ahead.send(m.peer)
-    for handle in sends + receives:
-        ctx.wait(handle)
-    if agreement.arrived(receives):
-        held.land(step.lands, op)
-
-
 _PACK_BYTES = 256 << 10  # below this a peer's moves in a step go as one message: a message costs more than a copy
 
 
@@ -319,46 +374,6 @@ def _unpack(packed: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     for part in parts:
         copy(part, packed[offset:offset + part.numel()])
         offset += part.numel()
-
-
-def _border_step(ctx: PlanContext, step: BorderStep, held: _Buffers, op: Optional[str], where: str) -> None:
-    """One border step. Copies land in place, a peer's several small ones packed in one message
-    each way (both ends see the same moves, so both decide alike). Of the folds into one span,
-    the first reduces as it lands and the rest land in scratch and are folded in after, in the
-    step's order. ``where``: the stage, whose scratch is its own (stages overlap)."""
-    recvs: list[Recv] = []
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-    if step.fold:
-        folding: set[tuple[str, Span]] = set()
-        for move in step.recvs:
-            target = held.of(move.buf, move.span)
-            if (move.buf, move.span) not in folding:
-                folding.add((move.buf, move.span))
-                recvs.append((move.peer, target, op))
-            else:
-                partial = ctx.scratch.get(("fold", len(staged)), move.span[1], held.like)
-                staged.append((target, partial))
-                recvs.append((move.peer, partial))
-    else:
-        for peer, views in _per_peer(step.recvs, held).items():
-            if _packs(views):
-                into = ctx.scratch.get(("packed", where, peer), sum(v.numel() for v in views), views[0])
-                recvs.append((peer, into))
-                unpack.append((into, views))
-            else:
-                recvs += [(peer, view) for view in views]
-    outgoing = _per_peer(step.sends, held)
-    if any(map(_packs, outgoing.values())):
-        ctx.host_wait()  # packing reads the buffers on the host: their producing work first
-    sends: list[tuple[int, torch.Tensor]] = []
-    for peer, views in outgoing.items():
-        sends += [(peer, torch.cat(views))] if _packs(views) else [(peer, part) for part in views]
-    ctx.exchange(sends, recvs)
-    for target, partial in staged:
-        ctx.launch(combine, target, partial, op)
-    for packed, views in unpack:
-        _unpack(packed, views)
 
 
 def _island_alltoall(ctx: PlanContext, sends: Sequence[tuple[int, torch.Tensor]],

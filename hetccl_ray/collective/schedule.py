@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 from hetccl_ray.collective.opkinds import ROUND_OPS, kind
 from hetccl_ray.topology import Topology, split
@@ -31,6 +31,18 @@ from hetccl_ray.topology import Topology, split
 Span = tuple[int, int]  # (offset, length) in elements of a buffer: the op's ``buf`` unless named
 Ref = tuple[str, int, int]  # (buffer name, offset, length): a span of a named buffer
 BUF = "buf"
+
+
+class Runs(Protocol):
+    """What steps run on (the runner's): one method per step kind."""
+
+    def island(self, step: "IslandStep") -> None: ...
+    def exchange(self, step: "BorderStep") -> None: ...
+    def fold(self, step: "FoldStep") -> None: ...
+    def rows(self, step: "RowsStep") -> None: ...
+    def island_moves(self, step: "IslandMoves") -> None: ...
+    def land(self, land: "Land") -> None: ...
+    def fold_in(self, land: "FoldIn") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,9 @@ class IslandStep:
     span: Span
     counts: tuple[int, ...] = ()
     root: int = 0
+
+    def run(self, runs: Runs) -> None:
+        runs.island(self)
 
     def describe(self) -> str:
         extra = f" counts={list(self.counts)}" if self.counts else ""
@@ -63,35 +78,70 @@ class Move:
 
 @dataclass(frozen=True)
 class Land:
-    """``out`` = ``parts`` folded with the reduce op in the order given (``fold``), or a copy
-    of ``parts[0]``."""
+    """``out`` = a copy of ``parts[0]``."""
 
     out: Ref
     parts: tuple[Ref, ...]
-    fold: bool = False
+
+    def run(self, runs: Runs) -> None:
+        runs.land(self)
+
+
+class FoldIn(Land):
+    """``out`` = ``parts`` folded with the reduce op in the order given."""
+
+    def run(self, runs: Runs) -> None:
+        runs.fold_in(self)
 
 
 @dataclass(frozen=True)
 class BorderStep:
-    """Post every receive and send, then wait for all, then ``lands``. ``fold``: received
-    spans are reduced into place with the op (the first per span as it lands, the rest in
-    the order given), else copied. ``rows``: a step of the small round: over the TCP border
-    to every rank, every message carries the call rows known so far (an empty span: rows
-    only), receives take whatever a peer sent (one that called something else is named,
-    never waited for), and ``lands`` are made only while every message had its size."""
+    """Post every receive and send, then wait for all, then ``lands``; received spans land as
+    copies (a peer's several small ones packed in one message each way)."""
 
     sends: tuple[Move, ...]
     recvs: tuple[Move, ...]
-    fold: bool = False
-    rows: bool = False
     lands: tuple[Land, ...] = ()
-    island: bool = False  # moves inside the island as one vendor all-to-all (every island rank takes the step)
+    label, receiving = "border", ""
+
+    def run(self, runs: Runs) -> None:
+        runs.exchange(self)
 
     def describe(self) -> str:
         out = ", ".join(f"{m.describe()}->r{m.peer}" for m in self.sends)
         into = ", ".join(f"r{m.peer}->{m.describe()}" for m in self.recvs)
-        kind = "island alltoall" if self.island else "border" + (" rows" if self.rows else "")
-        return f"{kind} send [{out}] recv{' fold' if self.fold else ''} [{into}]"
+        return f"{self.label} send [{out}] recv{self.receiving} [{into}]"
+
+
+class FoldStep(BorderStep):
+    """Received spans are reduced into place with the op: the first per span as it lands, the
+    rest in the order given."""
+
+    receiving = " fold"
+
+    def run(self, runs: Runs) -> None:
+        runs.fold(self)
+
+
+class RowsStep(BorderStep):
+    """A step of the small round: over the TCP border to every rank, every message carries the
+    call rows known so far (an empty span: rows only), receives take whatever a peer sent (one
+    that called something else is named, never waited for), and ``lands`` are made only while
+    every message had its size."""
+
+    label = "border rows"
+
+    def run(self, runs: Runs) -> None:
+        runs.rows(self)
+
+
+class IslandMoves(BorderStep):
+    """Moves inside the island as one vendor all-to-all (every island rank takes the step)."""
+
+    label = "island alltoall"
+
+    def run(self, runs: Runs) -> None:
+        runs.island_moves(self)
 
 
 Step = Union[IslandStep, BorderStep]
@@ -134,7 +184,7 @@ class Plan:
         return out
 
     def describe(self) -> list[str]:
-        kind = "small round" if any(step.rows for piece in self.pieces for step in piece.across) else "plan"
+        kind = "small round" if any(isinstance(step, RowsStep) for piece in self.pieces for step in piece.across) else "plan"
         lines = [f"rank {self.rank}: {self.op} {kind} of {self.n} elements, {len(self.pieces)} piece(s)"]
         for q, piece in enumerate(self.pieces):
             for stage, steps in (("before", piece.before), ("across", piece.across), ("after", piece.after)):
@@ -318,7 +368,8 @@ class _Builder:
 
 def _step(sends: list[tuple[int, Span]], recvs: list[tuple[int, Span]], fold: bool = False) -> BorderStep:
     """A border step without empty moves."""
-    return BorderStep(tuple(Move(p, s) for p, s in sends if s[1]), tuple(Move(p, s) for p, s in recvs if s[1]), fold)
+    return (FoldStep if fold else BorderStep)(tuple(Move(p, s) for p, s in sends if s[1]),
+                                              tuple(Move(p, s) for p, s in recvs if s[1]))
 
 
 @functools.lru_cache(maxsize=256)
