@@ -1,7 +1,7 @@
 """Small all-to-alls back to back over the TCP border (2x2, flat plan off, so the blocks go
 straight and the check is the three-hop round, or one hop): the slowest rank's wall time per
 call and each rank's CPU per call, best of three bursts of 300. A before/after check of the
-messages an all-to-all sends (blocks riding in the check's messages: tree.rides).
+messages an all-to-all sends (blocks riding in the check's messages: small_round.rides).
 
     python benchmarks/alltoall_b2b.py            # three hops, 1 and 32 KiB
     python benchmarks/alltoall_b2b.py one_hop
@@ -18,7 +18,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 import hetccl_ray  # noqa: E402
-from hetccl_ray.local_cluster import LocalCluster  # noqa: E402
+from hetccl_ray.tools.local_cluster import LocalCluster  # noqa: E402
 
 WORLD, CALLS = 4, 300
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/alltoall_parts.py        # 2x2, 1 KiB per rank, 200 ops
 
-Wraps ``tree.alltoall_counts`` and ``plans.alltoall`` with timers inside each actor and
+Wraps ``small_round.alltoall_counts`` and ``collectives.alltoall`` with timers inside each actor and
 prints, per rank, microseconds per op: whole, rows round, exchange.
 """
 
@@ -14,16 +14,16 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 ISLANDS, ELEMENTS, WARMUP, OPS = ["a", "a", "b", "b"], 256, 20, 200
 
 
 def timed_parts(name: str, rank: int, world: int) -> tuple[float, float, float]:
-    from hetccl_ray.collective import plans, tree
+    from hetccl_ray.runtime import collectives, small_round
 
     spent = {"counts": 0.0, "plan": 0.0}
-    originals = tree.alltoall_counts, plans.alltoall
+    originals = small_round.alltoall_counts, collectives.alltoall
 
     def timer(key, fn):
         def wrapped(*args, **kwargs):
@@ -34,7 +34,7 @@ def timed_parts(name: str, rank: int, world: int) -> tuple[float, float, float]:
                 spent[key] += time.perf_counter() - started
         return wrapped
 
-    tree.alltoall_counts, plans.alltoall = timer("counts", originals[0]), timer("plan", originals[1])
+    small_round.alltoall_counts, collectives.alltoall = timer("counts", originals[0]), timer("plan", originals[1])
     try:
         ins = list(torch.ones(ELEMENTS).chunk(world))
         outs = list(torch.zeros(ELEMENTS).chunk(world))
@@ -46,7 +46,7 @@ def timed_parts(name: str, rank: int, world: int) -> tuple[float, float, float]:
             hetccl_ray.alltoall(ins, outs, group_name=name)
         whole = (time.perf_counter() - started) / OPS
     finally:
-        tree.alltoall_counts, plans.alltoall = originals
+        small_round.alltoall_counts, collectives.alltoall = originals
     return whole * 1e6, spent["counts"] / OPS * 1e6, spent["plan"] / OPS * 1e6
 
 

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from ray.util import collective as col  # noqa: E402
 
 import hetccl_ray  # noqa: E402
-from hetccl_ray.bench import COLLS, rank_data  # noqa: E402
-from hetccl_ray.local_cluster import LocalCluster  # noqa: E402
+from hetccl_ray.tools.bench import COLLS, rank_data  # noqa: E402
+from hetccl_ray.tools.local_cluster import LocalCluster  # noqa: E402
 
 WORLD = 4
 

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from examples import train_balanced_mixed as example  # noqa: E402
-from hetccl_ray.local_cluster import LocalCluster  # noqa: E402
+from hetccl_ray.tools.local_cluster import LocalCluster  # noqa: E402
 
 SLOW_CORES, WARMUP, MEASURED, MOVE_AT, ROUNDS = 0.5, 25, 30, 55, 3
 
@@ -77,8 +77,8 @@ def alternating_loop(config: dict) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from hetccl_ray import balance
-    from hetccl_ray.collective.balanced import Balancer
+    from hetccl_ray.features import balance
+    from hetccl_ray.features.balanced import Balancer
 
     config = {**example.DEFAULTS, **config}
     torch.set_num_threads(1)
@@ -107,7 +107,7 @@ def alternating_loop(config: dict) -> None:
 
 def equal_cost(cluster: LocalCluster) -> tuple[list[dict], dict[str, float]]:
     """The equal part: rows per step and mode, and each mode's mean step after warm-up."""
-    from hetccl_ray.collective.train import labelled_trainer
+    from hetccl_ray.doors.train import labelled_trainer
 
     for island in cluster.quotas:
         cluster.quotas[island].set(None)

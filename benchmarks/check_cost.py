@@ -23,7 +23,7 @@ import ray  # noqa: E402
 from ray.util import collective as col  # noqa: E402
 
 import hetccl_ray  # noqa: E402
-from hetccl_ray.local_cluster import LocalCluster  # noqa: E402
+from hetccl_ray.tools.local_cluster import LocalCluster  # noqa: E402
 
 ISLANDS = ["a", "b", "c", "c"]
 SIZES = {"64 KiB": 1 << 14, "1 MiB": 1 << 18, "16 MiB": 1 << 22}

@@ -27,7 +27,7 @@ import ray  # noqa: E402
 from ray.util import collective as col  # noqa: E402
 
 import hetccl_ray  # noqa: E402
-from hetccl_ray.local_cluster import LocalCluster  # noqa: E402
+from hetccl_ray.tools.local_cluster import LocalCluster  # noqa: E402
 
 ISLANDS = ["a", "a", "b", "b"]
 

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from hetccl_ray.collective import tree  # noqa: E402
-from hetccl_ray.collective.calls import Call  # noqa: E402
-from hetccl_ray.topology import Topology  # noqa: E402
+from hetccl_ray.runtime import small_round  # noqa: E402
+from hetccl_ray.core.calls import Call  # noqa: E402
+from hetccl_ray.core.topology import Topology  # noqa: E402
 from tests.fakes import loopback_borders, run_ranks  # noqa: E402 - the round uses no island (FAKE unused)
 
 ISLANDS = ["a", "a", "b", "b"]
@@ -37,9 +37,9 @@ def main() -> None:
             started = time.perf_counter()
             for i in range(calls):
                 if op == "check":
-                    tree.check(ctx, Call("barrier", torch.uint8, 0, seq=first + i))
+                    small_round.check(ctx, Call("barrier", torch.uint8, 0, seq=first + i))
                 else:
-                    tree.small(ctx, Call(op, torch.float32, n, root=0, reduce="sum", seq=first + i), x,
+                    small_round.small(ctx, Call(op, torch.float32, n, root=0, reduce="sum", seq=first + i), x,
                                out if op == "reducescatter" else None)
             return time.perf_counter() - started
 

@@ -24,7 +24,7 @@ import ray  # noqa: E402
 from ray.util import collective as col  # noqa: E402
 
 import hetccl_ray  # noqa: E402
-from hetccl_ray.local_cluster import LocalCluster  # noqa: E402
+from hetccl_ray.tools.local_cluster import LocalCluster  # noqa: E402
 
 ISLANDS = ["a", "b", "c", "c"]  # 3 islands: 1 + 1 + 2 ranks
 SMALL, LARGE = 256, 4 << 20  # elements: 1 KiB and 16 MiB of float32

@@ -18,12 +18,14 @@ import torch  # noqa: E402
 from ray.util import collective as col  # noqa: E402
 
 import hetccl_ray  # noqa: E402
-from hetccl_ray.local_cluster import LocalCluster, island_names, parse_layout  # noqa: E402
+from hetccl_ray.tools.local_cluster import LocalCluster, island_names, parse_layout  # noqa: E402
 
 
 def staged(op: str, n: int, iters: int, rank: int, world: int) -> dict:
     """In one actor: time ``iters`` calls of ``op`` on ``n`` floats with each stage wrapped."""
-    from hetccl_ray.collective import group as G, island, plans, tree
+    from hetccl_ray.group import group as G
+    from hetccl_ray.islands import libraries
+    from hetccl_ray.runtime import collectives, small_round
     from hetccl_ray.transport import tcp
     acc = collections.defaultdict(float)
     saved = []
@@ -40,12 +42,12 @@ def staged(op: str, n: int, iters: int, rank: int, world: int) -> dict:
         setattr(owner, name, w)
         saved.append((owner, name, f))
 
-    wrap(G.HetCCLGroup, "_run", "hetccl _run")
-    wrap(tree, "small", "  small round of tree.py")
-    wrap(tree, "check", "  rows-only check round")
-    wrap(plans.PlanContext, "exchange", "  island plans: border stages")
+    wrap(G.HetCCLGroup, "run", "hetccl run")
+    wrap(small_round, "small", "  small round of small_round.py")
+    wrap(small_round, "check", "  rows-only check round")
+    wrap(collectives.PlanContext, "exchange", "  island plans: border stages")
     for m in ("reduce_scatter", "allgather", "broadcast", "reduce", "gather"):
-        wrap(island.TorchIsland, m, "  island plans: Gloo " + m)
+        wrap(libraries.TorchIsland, m, "  island plans: Gloo " + m)
     wrap(tcp.TcpBorder, "drive", "    waiting in the border (drive)")
     wrap(tcp.TcpBorder, "isend", "    eager sends (isend)")
     x, y = torch.ones(n), torch.ones(n // world)

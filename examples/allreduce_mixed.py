@@ -8,7 +8,7 @@ import ray
 from ray.util import collective as col
 
 import hetccl_ray
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 
 def step(rank: int) -> dict:

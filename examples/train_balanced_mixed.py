@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetccl_ray.collective.balanced import Balancer
-from hetccl_ray.collective.train import labelled_trainer
-from hetccl_ray.local_cluster import LocalCluster
-from hetccl_ray.topology import ISLAND_LABEL
+from hetccl_ray.features.balanced import Balancer
+from hetccl_ray.doors.train import labelled_trainer
+from hetccl_ray.tools.local_cluster import LocalCluster
+from hetccl_ray.core.topology import ISLAND_LABEL
 
 ISLANDS = ["fast", "slow"]  # one worker per entry, on a node with that label
 DEFAULTS = {"steps": 40, "global_batch": 4096, "width": 512, "features": 256, "dataset": 4096 * 4,
@@ -102,7 +102,7 @@ def report(metrics: dict, model: nn.Module, last: bool) -> None:
 
 def reference(config: dict) -> dict[str, np.ndarray]:
     """The same global batches trained in one process: what balanced DDP must reproduce."""
-    from hetccl_ray.balance import global_batch_indices
+    from hetccl_ray.features.balance import global_batch_indices
 
     config = {**DEFAULTS, **config}
     x, y = dataset(config)

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 import hetccl_ray
-from hetccl_ray.collective.train import labelled_trainer
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.doors.train import labelled_trainer
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 ISLANDS = ["nvidia", "nvidia", "amd"]   # one worker per entry, on a node with that label
 STEPS = 30

@@ -7,7 +7,7 @@ through Ray Train's TorchTrainer over the hetccl backend.
 
 A patch encoder (over synthetic images whose patch count changes every step) runs on the
 ``vision`` island, a small transformer over synthetic tokens (whose length changes too), the
-image embeddings prepended, on the ``language`` island. ``hetccl_ray.bridge.Bridge`` moves
+image embeddings prepended, on the ``language`` island. ``hetccl_ray.features.bridge.Bridge`` moves
 the embeddings across and their gradient back, microbatch by microbatch: the encoder
 computes microbatch i+1 while the language model computes microbatch i. Prints the loss,
 the step time and the bytes that crossed; ``--compare`` alternates steps with a schedule
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 import hetccl_ray
-from hetccl_ray.bridge import Bridge, Layout
-from hetccl_ray.collective.train import labelled_trainer
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.features.bridge import Bridge, Layout
+from hetccl_ray.doors.train import labelled_trainer
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 ISLANDS = ["vision", "language"]  # the encoder's ranks first, then the language model's
 WIDTH, PATCH, VOCAB = 192, 48, 64

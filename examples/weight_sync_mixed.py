@@ -30,8 +30,8 @@ import torch
 
 import hetccl_ray
 from hetccl_ray import ISLAND_LABEL
-from hetccl_ray.bench import parse_size
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools.bench import parse_size
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 GROUP, GLOO_GROUP = "weights", "weights-gloo"
 WAYS = ("hetccl", "gloo", "object store", "hetccl broadcast")
@@ -200,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     for nbytes in (parse_size(s) for s in args.sizes.split(",")):
         for receivers in (int(n) for n in args.receivers.split(",")):
             if args.rate:
-                from hetccl_ray.shaped_cluster import ShapedCluster
+                from hetccl_ray.tools.shaped_cluster import ShapedCluster
 
                 cluster = ShapedCluster(["train", "rollout"], args.rate)
             else:

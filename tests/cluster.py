@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 
 def start(islands: dict[str, int]) -> tuple[LocalCluster, dict[str, list]]:

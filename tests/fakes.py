@@ -15,11 +15,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from hetccl_ray.collective.island import ranges
-from hetccl_ray.collective.runner import PlanContext
-from hetccl_ray.buffers import combine
+from hetccl_ray.islands.libraries import ranges
+from hetccl_ray.runtime.runner import PlanContext
+from hetccl_ray.memory.buffers import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
-from hetccl_ray.topology import Topology
+from hetccl_ray.core.topology import Topology
 from hetccl_ray.transport.base import Handle, Tag
 from hetccl_ray.transport.tcp import TcpBorder
 

@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from hetccl_ray import balance
-from hetccl_ray.balance import Policy, Speed
+from hetccl_ray.features import balance
+from hetccl_ray.features.balance import Policy, Speed
 
 
 def brute_force_best(speeds: list[Speed], global_batch: int) -> float:

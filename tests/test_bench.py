@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-from hetccl_ray import bench
-from hetccl_ray.local_cluster import island_names, parse_layout
-from hetccl_ray.shaped_cluster import ShapedCluster, ShapedClusterUnavailable, check_available
-from hetccl_ray.topology import Topology
+from hetccl_ray.tools import bench
+from hetccl_ray.tools.local_cluster import island_names, parse_layout
+from hetccl_ray.tools.shaped_cluster import ShapedCluster, ShapedClusterUnavailable, check_available
+from hetccl_ray.core.topology import Topology
 
 REPO = Path(__file__).resolve().parent.parent
 

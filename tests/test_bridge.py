@@ -1,4 +1,4 @@
-"""Boundary communicators (hetccl_ray/bridge.py): routes alone, then an encoder and a language
+"""Boundary communicators (hetccl_ray/features/bridge.py): routes alone, then an encoder and a language
 model on a real labelled local cluster, colocated and not, with batch and sequence lengths
 that change every step, against the same model trained in one process."""
 
@@ -12,7 +12,7 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.bridge import SEQUENCE, Bridge, Layout, routes, rows_held
+from hetccl_ray.features.bridge import SEQUENCE, Bridge, Layout, routes, rows_held
 from hetccl_ray.errors import HetCCLInputError
 from tests import cluster as test_cluster
 

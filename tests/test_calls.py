@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hetccl_ray.collective.calls import Call, disagreement
+from hetccl_ray.core.calls import Call, disagreement
 
 CALLS = [Call("allreduce", torch.float32, 1000, reduce="max", seq=7),
          Call("broadcast", torch.uint8, 0, root=3, seq=1),

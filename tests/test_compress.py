@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from hetccl_ray.benchdata import gradients, random_bits, rank_data
-from hetccl_ray.compress import frames
-from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameError, FrameReader
-from hetccl_ray.compress.planes import array, entropy_bytes, layout_for
-from hetccl_ray.compress.policy import REPROBE, LinkPolicy
+from hetccl_ray.tools.benchdata import gradients, random_bits, rank_data
+from hetccl_ray.transport.compress import frames
+from hetccl_ray.transport.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameError, FrameReader
+from hetccl_ray.transport.compress.planes import array, entropy_bytes, layout_for
+from hetccl_ray.transport.compress.policy import REPROBE, LinkPolicy
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import pytest
 
-from hetccl_ray.collective import costs
-from hetccl_ray.topology import Topology
+from hetccl_ray.core import costs
+from hetccl_ray.core.topology import Topology
 
 TWO_BY_TWO = Topology.from_islands(["a", "a", "b", "b"])
 THREE = Topology.from_islands(["a", "b", "a", "c", "b", "a"])
@@ -78,7 +78,7 @@ def test_measure_flat_inverts_its_model():
 
 
 def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_host():
-    from hetccl_ray.collective import planner
+    from hetccl_ray.core import planner
 
     p = planner.Planner(TWO_BY_TWO, dict.fromkeys(costs.OPS, 1000), flat=True,
                         flat_from=dict.fromkeys(costs.OPS, 5000.0))
@@ -93,8 +93,8 @@ def test_the_planner_takes_the_round_then_the_flat_plan_only_with_rows_on_the_ho
 def _op(name: str, numel: int = 250, *, peer=None, counts: bool = False, offered=None):
     import torch
 
-    from hetccl_ray.collective.calls import Call
-    from hetccl_ray.collective.op import Op
+    from hetccl_ray.core.calls import Call
+    from hetccl_ray.core.op import Op
 
     buf = torch.zeros(numel) if name != "barrier" else None
     return Op(Call(name, torch.float32, numel if buf is not None else 0), buf, peer=peer, agrees_counts=counts,
@@ -107,7 +107,7 @@ def test_the_planner_chooses_how_every_op_runs_from_agreed_facts_alone():
     op only on an agreed class (not for host calls the round takes, nor with strict); the
     check before everything else unless calls are not checked, but always for all-to-all,
     barrier and a class not yet agreed."""
-    from hetccl_ray.collective import planner as pl
+    from hetccl_ray.core import planner as pl
 
     one_island = Topology.from_islands(["a", "a", "a"])
     two = pl.Planner(TWO_BY_TWO, dict.fromkeys(costs.OPS, 1000), flat=True, flat_from=dict.fromkeys(costs.OPS, 5000.0))
@@ -150,7 +150,7 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_
     import collections
     import time
 
-    from hetccl_ray.collective import planner
+    from hetccl_ray.core import planner
 
     p = planner.Planner(TWO_BY_TWO)
     k256, m1, m4, m16 = 256 << 10, 1 << 20, 4 << 20, 16 << 20
@@ -201,7 +201,7 @@ def test_a_one_hop_group_reads_its_timed_checks_as_one_hop():
     """Calibration times the group's own checks: in one hop each is one hop, not three."""
     import time
 
-    from hetccl_ray.collective import planner
+    from hetccl_ray.core import planner
 
     hops = {}
     for one_hop in (False, True):
@@ -218,7 +218,7 @@ def test_a_one_hop_group_reads_its_timed_checks_as_one_hop():
 def test_a_slow_flat_library_is_not_taken_beyond_the_sizes_it_raced():
     import time
 
-    from hetccl_ray.collective import planner
+    from hetccl_ray.core import planner
 
     p = planner.Planner(TWO_BY_TWO)
 
@@ -236,7 +236,7 @@ def test_a_slow_flat_library_is_not_taken_beyond_the_sizes_it_raced():
 
 
 def test_the_round_threshold_follows_its_races_and_the_model_between_them():
-    from hetccl_ray.collective import planner
+    from hetccl_ray.core import planner
 
     sizes = [256 << 10, 1 << 20, 4 << 20]
     assert planner._round_limit(100_000, math.inf, sizes) == 4 << 20  # won every race: the model was timid
@@ -247,7 +247,7 @@ def test_the_round_threshold_follows_its_races_and_the_model_between_them():
 
 
 def test_a_slow_border_races_at_fewer_and_smaller_sizes():
-    from hetccl_ray.collective import planner
+    from hetccl_ray.core import planner
 
     fast = costs.LinkCosts(1e-4, 3e9)
     ladder = sorted({*planner.ROUND_PROBE_BYTES, *planner.OP_PROBE_BYTES})

@@ -20,7 +20,8 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
-from hetccl_ray import bench, devices
+from hetccl_ray.tools import bench
+from hetccl_ray.memory import devices
 from tests import cluster as test_cluster
 from tests.cases import values
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hetccl_ray import devices
+from hetccl_ray.memory import devices
 from hetccl_ray.errors import HetCCLError, HetCCLTimeoutError
 
 

@@ -15,8 +15,8 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
-from hetccl_ray import bench
-from hetccl_ray.collective import tree
+from hetccl_ray.tools import bench
+from hetccl_ray.runtime import small_round
 from tests import cluster as test_cluster
 from tests.cases import DTYPES, REDUCE_OPS, SIZES, as_float, itemsize, libs, make, seed_of, values
 
@@ -331,7 +331,7 @@ def _alltoall_messages(name, rank, world):
     """Messages this rank sends for an all-to-all of small blocks, then of blocks too large to
     ride in the check's messages, and what it received."""
     out = []
-    for n in (8, tree.RIDE_BYTES // 4 + 1):
+    for n in (8, small_round.RIDE_BYTES // 4 + 1):
         ins = [torch.full((n,), float(rank * 10 + t)) for t in range(world)]
         outs = [torch.zeros(n) for _ in range(world)]
         before = hetccl_ray.border_stats(name)["messages_sent"]
@@ -401,8 +401,8 @@ def _one_hop_ops(name, rank, world):
 def test_rounds_and_checks_in_one_hop(actors):
     """A group whose small rounds and checks go in one hop (one_hop=True): every op against
     numpy, border bytes the one-hop round's, a rank that called another op named on every rank."""
-    from hetccl_ray.collective import schedule
-    from hetccl_ray.topology import Topology
+    from hetccl_ray.core import plans
+    from hetccl_ray.core.topology import Topology
 
     results = on_all(actors, "one-hop", _one_hop_ops)
     islands = [island for island, _ in LAYOUTS["three"]]
@@ -425,7 +425,7 @@ def test_rounds_and_checks_in_one_hop(actors):
     for key in ["allreduce", "allgather", "reducescatter", *[k for k in want if k != "allreduce"]]:
         op, root = (key, 0) if isinstance(key, str) else key
         nbytes = 33 * 8 if op in ("allreduce", "broadcast", "reduce") else world * 5 * 8
-        assert sum(got[key][1] for got, _ in results) == schedule.round_bytes(topo, op, nbytes, root, one_hop=True), key
+        assert sum(got[key][1] for got, _ in results) == plans.round_bytes(topo, op, nbytes, root, one_hop=True), key
     crossing = sum(3 * 8 for r in range(world) for t in range(world) if islands[r] != islands[t])
     assert sum(got["alltoall"][1] for got, _ in results) == crossing  # blocks straight, once; rows carry no data
 
@@ -443,7 +443,7 @@ def test_allreduce_every_dtype_size_op(actors, name):
         for rank in range(world):
             np.testing.assert_array_equal(results[rank][key][0], expect, err_msg=f"{key} rank {rank}")
         size = itemsize(dtype)
-        crossings = k * (k - 1) if n * size <= SMALL_BYTES else 2 * (k - 1)  # see tree.py for the small round
+        crossings = k * (k - 1) if n * size <= SMALL_BYTES else 2 * (k - 1)  # see small_round.py for the small round
         assert sum(results[r][key][1] for r in range(world)) == across(name, n * size, crossings * n * size), key
 
 
@@ -687,7 +687,7 @@ def test_register_twice_is_harmless():
 def _gradients_across(name, rank, world, rounds):
     """Allgather real bf16 gradients (bits compared exactly), then allreduces of them; the byte
     and wire counters of the allgather and each link's compression report after all."""
-    from hetccl_ray.benchdata import rank_data
+    from hetccl_ray.tools.benchdata import rank_data
 
     x = rank_data("grads", rank, 1 << 18, torch.bfloat16)
     outs = [torch.zeros_like(x) for _ in range(world)]

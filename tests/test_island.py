@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hetccl_ray.collective.island import TorchIsland
+from hetccl_ray.islands.libraries import TorchIsland
 from hetccl_ray.errors import HetCCLTimeoutError
 
 

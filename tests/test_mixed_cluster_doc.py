@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from hetccl_ray.topology import ACCELERATOR_LABEL, ISLAND_LABEL, island_for
+from hetccl_ray.core.topology import ACCELERATOR_LABEL, ISLAND_LABEL, island_for
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

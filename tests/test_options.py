@@ -3,7 +3,7 @@ and each rank's own process environment (island, RDMA device and GID entry)."""
 
 import pytest
 
-from hetccl_ray.collective.options import GroupOptions, ProcessOptions
+from hetccl_ray.group.options import GroupOptions, ProcessOptions
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hetccl_ray.collective import plans, routes, runner, shm
-from hetccl_ray.buffers import combine
-from hetccl_ray.topology import Topology
+from hetccl_ray.runtime import collectives, runner
+from hetccl_ray.core import routes
+from hetccl_ray.islands import shm
+from hetccl_ray.memory.buffers import combine
+from hetccl_ray.core.topology import Topology
 from hetccl_ray.transport.routed import RoutedBorder
 from hetccl_ray.transport.tcp import TcpBorder
 from tests.fakes import FakeBorder, run_ranks
@@ -51,7 +53,7 @@ def test_allreduce(layout, op, n):
 
 def _allreduce(ctx, row, op):
     buf = torch.tensor(row)
-    plans.collective(ctx, "allreduce", buf, reduce=op)
+    collectives.collective(ctx, "allreduce", buf, reduce=op)
     return buf.numpy()
 
 
@@ -71,7 +73,7 @@ def test_reducescatter(layout, chunk, piece_bytes):
     def body(ctx):
         buf = torch.tensor(_island_major(topo, data[ctx.rank]))
         out = torch.zeros(chunk, dtype=buf.dtype)
-        plans.collective(ctx, "reducescatter", buf, reduce="sum", out=out)
+        collectives.collective(ctx, "reducescatter", buf, reduce="sum", out=out)
         return out.numpy()
 
     results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
@@ -94,7 +96,7 @@ def test_allgather(layout, chunk, piece_bytes):
         buf = torch.zeros(world * chunk, dtype=torch.float64)
         slot = order.index(ctx.rank)
         buf[slot * chunk:(slot + 1) * chunk] = torch.tensor(data[ctx.rank])
-        plans.collective(ctx, "allgather", buf)
+        collectives.collective(ctx, "allgather", buf)
         return buf.numpy()
 
     results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
@@ -114,7 +116,7 @@ def test_broadcast_every_root(layout, n, piece_bytes):
 
         def body(ctx):
             buf = torch.tensor(data[ctx.rank])
-            plans.collective(ctx, "broadcast", buf, root)
+            collectives.collective(ctx, "broadcast", buf, root)
             return buf.numpy()
 
         results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
@@ -133,7 +135,7 @@ def test_reduce_every_root(layout, op, piece_bytes):
     for root in range(len(islands)):
         def body(ctx):
             buf = torch.tensor(data[ctx.rank])
-            plans.collective(ctx, "reduce", buf, root, op)
+            collectives.collective(ctx, "reduce", buf, root, op)
             return buf.numpy()
 
         results, borders = run_ranks(islands, body, piece_bytes=piece_bytes)
@@ -151,10 +153,10 @@ def test_send_recv_every_pair(layout):
         got = {}
         for a, b in pairs:
             if ctx.rank == a:
-                plans.send(ctx, torch.full((3,), float(a * 10 + b)), b)
+                collectives.send(ctx, torch.full((3,), float(a * 10 + b)), b)
             elif ctx.rank == b:
                 buf = torch.zeros(3)
-                plans.recv(ctx, buf, a)
+                collectives.recv(ctx, buf, a)
                 got[a] = buf.numpy().copy()
         return got
 
@@ -217,7 +219,7 @@ def test_alltoall_uneven(layout, zeros, piece_bytes, max_lanes, pack_bytes, monk
     def body(ctx):
         inputs = [torch.tensor(data[ctx.rank, t]) for t in range(world)]
         outputs = [torch.full((int(counts[r, ctx.rank]),), float("nan")) for r in range(world)]
-        plans.alltoall(ctx, counts.tolist(), inputs, outputs)
+        collectives.alltoall(ctx, counts.tolist(), inputs, outputs)
         return [out.numpy() for out in outputs]
 
     results, borders = run_ranks(islands, body, piece_bytes=piece_bytes, max_lanes=max_lanes)
@@ -245,7 +247,7 @@ def test_alltoall_routes_cross_once(layout):
 
 
 def test_overlap_finds_a_shared_byte_between_views_of_one_buffer_only():
-    from hetccl_ray.buffers import overlap
+    from hetccl_ray.memory.buffers import overlap
 
     whole = torch.arange(10.0)
     assert overlap([whole[:5]], [whole[9:], whole[4:6]]) and not overlap([whole[:5]], [whole[5:], torch.arange(5.0)])
@@ -278,10 +280,10 @@ def test_a_one_host_message_to_a_peer_routed_over_rdma_takes_the_route_at_both_e
         ctx.direct, ctx.shared, ctx.routed = tcp[ctx.rank], libraries[ctx.rank], frozenset({1 - ctx.rank})
         ctx.deadline = time.monotonic() + 10
         if ctx.rank == 0:
-            plans.send(ctx, data, 1)
+            collectives.send(ctx, data, 1)
             return None
         buf = torch.zeros(n)
-        plans.recv(ctx, buf, 0)
+        collectives.recv(ctx, buf, 0)
         return buf.numpy()
 
     try:

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hetccl_ray.collective import plans
-from hetccl_ray.collective.rendezvous import StoreRendezvous
+from hetccl_ray.runtime import collectives
+from hetccl_ray.group.rendezvous import StoreRendezvous
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
 from hetccl_ray.transport.base import Tag, chunks
 from hetccl_ray.transport.rdma import (ABORT, CTS, Completion, CompletionRouter, ConnInfo, Control, MRCache,
@@ -232,13 +232,13 @@ def test_every_plan_over_the_rdma_border(layout):
         nonlocal order
         order = ctx.topo.island_major_order
         x = torch.from_numpy(data[ctx.rank].copy())
-        plans.collective(ctx, "allreduce", x, reduce="sum")
+        collectives.collective(ctx, "allreduce", x, reduce="sum")
         b = torch.from_numpy(data[ctx.rank].copy())
-        plans.collective(ctx, "broadcast", b, world - 1)
+        collectives.collective(ctx, "broadcast", b, world - 1)
         g = torch.zeros(world * 5, dtype=torch.float64)
         slot = ctx.topo.island_major_order.index(ctx.rank)
         g[slot * 5:(slot + 1) * 5] = float(ctx.rank)
-        plans.collective(ctx, "allgather", g)
+        collectives.collective(ctx, "allgather", g)
         return x.numpy(), b.numpy(), g.numpy()
 
     borders = rdma_borders(world, chunk_bytes=8192, depth=2)

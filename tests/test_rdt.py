@@ -15,9 +15,11 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray import ISLAND_LABEL, devices, rdt
-from hetccl_ray.benchdata import gradients
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray import ISLAND_LABEL
+from hetccl_ray.memory import devices
+from hetccl_ray.doors import rdt
+from hetccl_ray.tools.benchdata import gradients
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 GROUP = "rdt"
 TIMEOUT_S = 20.0

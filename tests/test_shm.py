@@ -69,7 +69,7 @@ def _worker(port: int, rank: int, script: str, late_rank: int, results: "mp.Queu
     import torch
     import torch.distributed as dist
 
-    from hetccl_ray.collective import shm
+    from hetccl_ray.islands import shm
 
     try:
         store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=datetime.timedelta(seconds=30))

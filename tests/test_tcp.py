@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetccl_ray.benchdata import gradients
-from hetccl_ray.compress.frames import FRAME_BYTES, Encoder
+from hetccl_ray.tools.benchdata import gradients
+from hetccl_ray.transport.compress.frames import FRAME_BYTES, Encoder
 from hetccl_ray.errors import HetCCLPeerError
 from hetccl_ray.transport.base import Tag
 from hetccl_ray.transport.tcp import TcpBorder, dial

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hetccl_ray.topology import Topology, island_for, split, vendor_of_accelerator
+from hetccl_ray.core.topology import Topology, island_for, split, vendor_of_accelerator
 
 
 def test_precedence():

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import hetccl_ray
-from hetccl_ray.collective.torch_backend import HetCCLProcessGroup
+from hetccl_ray.doors.torch_backend import HetCCLProcessGroup
 from tests import torch_workers as w
 
 ISLANDS = ["cpu-a", "cpu-a", "cpu-b"]  # 2 islands, 2+1 ranks

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from examples import train_balanced_mixed, train_ddp_mixed, train_moe_mixed  # the tests' workloads
-from hetccl_ray import cpu_quota
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools import cpu_quota
+from hetccl_ray.tools.local_cluster import LocalCluster
 
 ISLANDS = ["nvidia", "nvidia", "amd"]
 
@@ -63,7 +63,7 @@ def test_balanced_trainer_is_exact_and_gives_the_slow_island_less(cluster):
 
 
 def test_balance_settings_are_checked_where_the_config_is_made():
-    from hetccl_ray.collective.train import HetCCLTorchConfig
+    from hetccl_ray.doors.train import HetCCLTorchConfig
 
     with pytest.raises(ValueError, match="balance='sometimes'"):
         HetCCLTorchConfig(balance="sometimes")

@@ -173,7 +173,7 @@ def exchanges(rank: int, world: int) -> dict[str, Any]:
 def stream_ordered(rank: int, world: int) -> dict[str, Any]:
     """Async ops on the emulated device under a side stream: inputs written and results read
     by late device work; ``wait()`` orders the stream, ``get_future()`` means the data is there."""
-    from hetccl_ray import devices
+    from hetccl_ray.memory import devices
 
     emu = devices.emulated()
     out: dict[str, Any] = {}
@@ -267,7 +267,7 @@ def balanced_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def balanced_reference() -> list[torch.Tensor]:
     """Plain SGD on each step's whole global batch in one process."""
-    from hetccl_ray.balance import global_batch_indices
+    from hetccl_ray.features.balance import global_batch_indices
 
     x, y = balanced_data()
     model = make_model()
@@ -286,7 +286,7 @@ def balanced(rank: int, world: int, how: str = "ddp") -> dict[str, Any]:
     weighting hook ("ddp"), FSDP with the loss scaled by ``loss_weight`` ("fsdp"), or DDP
     without either ("plain": what the weighting corrects)."""
     fsdp = how == "fsdp"
-    from hetccl_ray.collective.balanced import Balancer
+    from hetccl_ray.features.balanced import Balancer
 
     x, y = balanced_data()
     model = make_model()
@@ -324,7 +324,7 @@ def balanced_cases(rank: int, world: int) -> dict[str, Any]:
 
 def balanced_misuse(rank: int, world: int) -> dict[str, str]:
     """Calls a Balancer must refuse, each with its message."""
-    from hetccl_ray.collective.balanced import Balancer
+    from hetccl_ray.features.balanced import Balancer
 
     out = {}
     for name, call in {

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import struct
 import threading
-from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
 
+from hetccl_ray.core.calls import Tag
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
 
 # magic, op code, sequence number, dtype code, payload bytes, control bytes after the header,
@@ -18,24 +18,17 @@ HEADER_SIZE = _HEADER.size
 _MAGIC = b"HCCL"
 
 
-@dataclass(frozen=True)
-class Tag:
-    """What a border message belongs to: checked on receipt so mismatched calls fail loudly."""
+def header(tag: Tag, nbytes: int, extra: int = 0, framed: bool = False) -> bytes:
+    """The header of a message of ``tag``: payload bytes, control bytes, framing."""
+    return _HEADER.pack(_MAGIC, tag.op, tag.seq, tag.dtype, nbytes, extra, framed)
 
-    op: int
-    seq: int
-    dtype: int
 
-    def header(self, nbytes: int, extra: int = 0, framed: bool = False) -> bytes:
-        return _HEADER.pack(_MAGIC, self.op, self.seq, self.dtype, nbytes, extra, framed)
-
-    @staticmethod
-    def parse(raw: bytes) -> tuple["Tag", int, int, bool]:
-        """The tag, payload bytes, control bytes and framing of a message header."""
-        magic, op, seq, dtype, nbytes, extra, framed = _HEADER.unpack(raw)
-        if magic != _MAGIC:
-            raise ValueError(f"bad border message magic {magic!r}")
-        return Tag(op, seq, dtype), nbytes, extra, framed
+def parse_header(raw: bytes) -> tuple[Tag, int, int, bool]:
+    """The tag, payload bytes, control bytes and framing of a message header."""
+    magic, op, seq, dtype, nbytes, extra, framed = _HEADER.unpack(raw)
+    if magic != _MAGIC:
+        raise ValueError(f"bad border message magic {magic!r}")
+    return Tag(op, seq, dtype), nbytes, extra, framed
 
 
 def mismatch(receiver: int, expected: Tag, nbytes: int, sender: int, got: Tag, got_bytes: int) -> HetCCLMismatchError:

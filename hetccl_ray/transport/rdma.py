@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from hetccl_ray import devices
-from hetccl_ray.buffers import combine
+from hetccl_ray.memory import devices
+from hetccl_ray.memory.buffers import combine
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError, RecordsMissing
 from hetccl_ray.transport.base import ByteCounter, Handle, Tag, chunks, mismatch
 

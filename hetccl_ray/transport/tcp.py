@@ -35,13 +35,14 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from hetccl_ray import devices
-from hetccl_ray.buffers import ScratchPool, combine
-from hetccl_ray.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameReader
-from hetccl_ray.compress.planes import layout_for
-from hetccl_ray.compress.policy import LinkPolicy
+from hetccl_ray.memory import devices
+from hetccl_ray.memory.buffers import ScratchPool, combine
+from hetccl_ray.transport.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameReader
+from hetccl_ray.transport.compress.planes import layout_for
+from hetccl_ray.transport.compress.policy import LinkPolicy
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import HEADER_SIZE, ByteCounter, Flag, Handle, Tag, chunks, mismatch
+from hetccl_ray.transport.base import (HEADER_SIZE, ByteCounter, Flag, Handle, Tag, chunks, header, mismatch,
+                                       parse_header)
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ class _Outgoing:
         policy = link.policy
         self.eligible = policy is not None and policy.eligible(self.moved, buf.dtype)
         self.framed = self.eligible and policy.choose()
-        self.pending = [memoryview(tag.header(self.moved, len(extra), self.framed) + extra)]
+        self.pending = [memoryview(header(tag, self.moved, len(extra), self.framed) + extra)]
         self.header_bytes = len(self.pending[0])
         self.wire = 0  # payload bytes written (frames, when framed)
         self.coding = CodecStats()
@@ -318,7 +319,7 @@ class _Incoming:
     def _advance(self, link: "_Link") -> bool:
         """The current part is complete: check it and set up the next; True at the end."""
         if self.phase == "header":
-            got, sent, extra, framed = Tag.parse(bytes(self.header))
+            got, sent, extra, framed = parse_header(bytes(self.header))
             if got != self.tag or (sent != self.nbytes and not self.flexible):
                 raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
             self.framed = framed
@@ -629,7 +630,7 @@ class TcpBorder(ByteCounter):
                     continue
                 if not head:
                     link.fail(ConnectionError("connection closed by peer"))
-                elif len(head) == HEADER_SIZE and Tag.parse(head)[0] == expected[peer]:
+                elif len(head) == HEADER_SIZE and parse_header(head)[0] == expected[peer]:
                     return peer
             left = deadline - time.monotonic()
             if left <= 0:

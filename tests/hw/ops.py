@@ -16,7 +16,7 @@ from ray.util import collective as col
 from ray.util.collective.types import ReduceOp
 
 import hetccl_ray
-from hetccl_ray.collective.island import nccl_available
+from hetccl_ray.islands.libraries import nccl_available
 
 NEEDS_GPU = pytest.mark.skipif(
     not nccl_available(),

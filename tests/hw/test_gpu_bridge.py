@@ -10,8 +10,8 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.bridge import Bridge, Layout
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.features.bridge import Bridge, Layout
+from hetccl_ray.tools.local_cluster import LocalCluster
 from tests.hw.ops import NEEDS_GPU
 from tests.test_bridge import images, loss_of, models, reference
 

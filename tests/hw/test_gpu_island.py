@@ -8,7 +8,7 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools.local_cluster import LocalCluster
 from tests.hw.ops import NEEDS_GPU, every_op
 
 pytestmark = NEEDS_GPU
@@ -34,8 +34,8 @@ def test_compressed_frames_of_gpu_tensors_are_bit_exact(dtype, sender, receiver)
     staged through host memory; plain and reducing receives against the CPU reference."""
     import threading
 
-    from hetccl_ray.benchdata import gradients
-    from hetccl_ray.compress.frames import FRAME_BYTES
+    from hetccl_ray.tools.benchdata import gradients
+    from hetccl_ray.transport.compress.frames import FRAME_BYTES
     from hetccl_ray.transport.base import Tag
     from hetccl_ray.transport.tcp import TcpBorder
 

@@ -11,7 +11,7 @@ import ray
 import torch
 
 import hetccl_ray
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools.local_cluster import LocalCluster
 from tests import torch_workers
 from tests.hw.ops import NEEDS_GPU, staging_bound_s, timed_ops
 

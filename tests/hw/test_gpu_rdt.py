@@ -11,7 +11,7 @@ import torch
 
 import hetccl_ray
 from hetccl_ray import ISLAND_LABEL
-from hetccl_ray.local_cluster import LocalCluster
+from hetccl_ray.tools.local_cluster import LocalCluster
 from tests.hw.ops import NEEDS_GPU
 
 pytestmark = NEEDS_GPU

@@ -14,8 +14,8 @@ import pytest
 import ray
 
 import hetccl_ray
-from hetccl_ray import bench
-from hetccl_ray.local_cluster import LocalCluster, place_workers
+from hetccl_ray.tools import bench
+from hetccl_ray.tools.local_cluster import LocalCluster, place_workers
 from hetccl_ray.transport import verbs
 from tests.hw.ops import every_op
 

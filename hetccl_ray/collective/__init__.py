@@ -1,1 +1,0 @@
-"""The hetccl collective group: plans over island communicators and a border."""

@@ -1,0 +1,1 @@
+"""The doors users reach the group through: ray.util.collective, torch.distributed, Ray Train, Ray Direct Transport."""

@@ -1,0 +1,1 @@
+"""Training features over a group: balanced shares, the bridge between modules, weight sync."""

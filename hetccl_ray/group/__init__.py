@@ -1,0 +1,1 @@
+"""The group: formation, options, rendezvous, progress, and HetCCLGroup (the op wrapper)."""

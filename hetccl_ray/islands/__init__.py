@@ -1,0 +1,1 @@
+"""Island libraries: the vendor collective libraries (NCCL, RCCL, Gloo) and shared memory."""
