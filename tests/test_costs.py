@@ -118,7 +118,8 @@ def test_the_planner_chooses_how_every_op_runs_from_agreed_facts_alone():
     assert c(two, _op("allreduce", 1250)) == (pl.CHECKED, pl.FLAT)  # flat once the rows show host memory
     assert c(two, _op("allgather", 62)) == (pl.SMALL, pl.ROUND)  # 62 x 4 ranks x 4 B: the whole buffer counts
     assert c(two, _op("allgather", 250)) == (pl.CHECKED, pl.PLAN)
-    assert c(two, _op("send", 10 ** 6, peer=2)) == (pl.DIRECT, None)
+    assert c(two, _op("send", 10 ** 6, peer=2)) == (pl.POSTED, None)  # host: posted straight
+    assert c(two, _op("send", 10 ** 6, peer=2), host=False) == (pl.DIRECT, None)
     assert c(two, _op("alltoall", 4, counts=True)) == (pl.CHECKED, None)
     assert c(two, _op("barrier")) == (pl.CHECKED, None)
     unchecked = pl.Planner(TWO_BY_TWO, dict.fromkeys(costs.OPS, 1000), check_calls=False)
@@ -267,3 +268,51 @@ def test_the_flat_op_bounds_the_round_only_for_ops_that_may_take_it():
     assert costs.thresholds(TWO_BY_TWO, link, fast_flat) == alone  # the flat plan is taken for no op
     bounded = costs.thresholds(TWO_BY_TWO, link, fast_flat, ["allreduce"])
     assert bounded["allreduce"] < alone["allreduce"] and bounded["reduce"] == alone["reduce"]
+
+
+class _OneHostSizes:
+    """What shm.py's library takes, by size alone (its real thresholds need a formed library):
+    all-to-alls up to 1,000 B, pulled above 100 B; messages pulled from 500 B."""
+
+    def takes_alltoall(self, nbytes: int) -> bool:
+        return nbytes <= 1000
+
+    def pulls(self, nbytes: int) -> bool:
+        return nbytes > 100
+
+    def pulls_message(self, nbytes: int) -> bool:
+        return nbytes >= 500
+
+
+def test_the_planner_routes_messages_and_alltoall_blocks_from_agreed_facts_alone():
+    """Messages: device buffers of island peers through the island library; on one host the
+    socket (a large host message pulled), unless the peer is routed over RDMA; a host message
+    is posted straight unless pulled (in a batch always). All-to-all: shared memory only with
+    host rows everywhere and sizes the library takes; host ranks' blocks straight."""
+    import torch
+
+    from hetccl_ray.core import planner as pl
+    from hetccl_ray.core.calls import Call
+
+    apart = pl.Planner(TWO_BY_TWO, rank=0)
+    assert [apart.route(peer, 10, host=False) for peer in (1, 2)] == [pl.ISLAND, pl.BORDER]
+    assert [apart.route(peer, 10, host=True) for peer in (1, 2)] == [pl.BORDER, pl.BORDER]
+    host = pl.Planner(TWO_BY_TWO, rank=0, routed=frozenset({3}), one_host=_OneHostSizes())
+    assert [host.route(2, n, host=True) for n in (499, 500)] == [pl.SOCKET, pl.PULL]
+    assert host.route(2, 500, host=False) == pl.SOCKET and host.route(3, 500, host=True) == pl.BORDER
+    big = _op("send", 125, peer=2)  # 500 B
+    assert host.message(big, True).path == pl.DIRECT and host.message(big, True, batch=True).path == pl.POSTED
+    assert host.message(_op("send", 0, peer=2), True, batch=True).path == pl.DIRECT  # nothing to post
+    assert host.plan_of("send", 500, peer=2) == "pull" and host.plan_of("send", 500, peer=3) == "p2p"
+    assert host.any_source(True) == "ranks [3] are reached over RDMA" and apart.any_source(True) is None
+    assert apart.any_source(False) == "the tensor is not in host memory"
+    cpu, dev = Call("alltoall", torch.float32, 4).encode(), Call("alltoall", torch.float32, 4, device=1).encode()
+    rows = {0: cpu, 1: cpu, 2: dev, 3: cpu}
+    assert host.alltoall(rows, 1000, True) == pl.AllToAll(False, frozenset({0, 1, 3}), False)  # a device rank
+    assert host.alltoall({**rows, 2: cpu}, 1000, True) == pl.AllToAll(True, frozenset(range(4)), False)
+    assert host.alltoall({**rows, 2: cpu}, 1001, True).shared is False  # beyond what the library takes
+    assert apart.alltoall(None, 10, False) == pl.AllToAll(False, frozenset(), True)  # no rows: every block routed
+    assert [host.plan_of("alltoall", n) for n in (100, 101, 1001)] == [pl.FLAT, "pull", "direct"]
+    flat = pl.Choice(pl.CHECKED, pl.FLAT)
+    assert host.flat_with(flat, {**rows, 2: cpu}) and not host.flat_with(flat, rows) and not host.flat_with(flat, None)
+    assert not host.flat_with(pl.Choice(pl.CHECKED, pl.PLAN), {**rows, 2: cpu})

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hetccl_ray.runtime import collectives, runner
-from hetccl_ray.core import routes
+from hetccl_ray.core import planner, routes
 from hetccl_ray.islands import shm
 from hetccl_ray.memory.buffers import combine
 from hetccl_ray.core.topology import Topology
@@ -150,12 +150,14 @@ def test_send_recv_every_pair(layout):
     pairs = [(a, b) for a in range(world) for b in range(world) if a != b]
 
     def body(ctx):
-        got = {}
+        got, plans_of = {}, planner.Planner(ctx.topo, rank=ctx.rank)
         for a, b in pairs:
             if ctx.rank == a:
+                ctx.route = plans_of.route(b, 12, host=False)  # island peers through the island library
                 collectives.send(ctx, torch.full((3,), float(a * 10 + b)), b)
             elif ctx.rank == b:
                 buf = torch.zeros(3)
+                ctx.route = plans_of.route(a, 12, host=False)
                 collectives.recv(ctx, buf, a)
                 got[a] = buf.numpy().copy()
         return got
@@ -219,7 +221,8 @@ def test_alltoall_uneven(layout, zeros, piece_bytes, max_lanes, pack_bytes, monk
     def body(ctx):
         inputs = [torch.tensor(data[ctx.rank, t]) for t in range(world)]
         outputs = [torch.full((int(counts[r, ctx.rank]),), float("nan")) for r in range(world)]
-        collectives.alltoall(ctx, counts.tolist(), inputs, outputs)
+        how = planner.Planner(topo, rank=ctx.rank).alltoall(None, 0, host_path=False)  # no rows: every block routed
+        collectives.alltoall(ctx, how, counts.tolist(), inputs, outputs)
         return [out.numpy() for out in outputs]
 
     results, borders = run_ranks(islands, body, piece_bytes=piece_bytes, max_lanes=max_lanes)
@@ -277,7 +280,10 @@ def test_a_one_host_message_to_a_peer_routed_over_rdma_takes_the_route_at_both_e
     data = torch.arange(n, dtype=torch.float32)
 
     def body(ctx):
-        ctx.direct, ctx.shared, ctx.routed = tcp[ctx.rank], libraries[ctx.rank], frozenset({1 - ctx.rank})
+        ctx.direct, ctx.shared = tcp[ctx.rank], libraries[ctx.rank]
+        ctx.route = planner.Planner(ctx.topo, rank=ctx.rank, routed=frozenset({1 - ctx.rank}),
+                                    one_host=libraries[ctx.rank]).route(1 - ctx.rank, n * 4, host=True)
+        assert ctx.route == planner.BORDER  # the RDMA route wins over the one-host socket at both ends
         ctx.deadline = time.monotonic() + 10
         if ctx.rank == 0:
             collectives.send(ctx, data, 1)

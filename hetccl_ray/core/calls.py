@@ -102,8 +102,3 @@ def _named(calls: dict[int, Call]) -> str:
 def on_host(row: Sequence[int]) -> bool:
     """Whether a row's buffers are host memory (device class cpu)."""
     return row[_DEVICE] == 0
-
-
-def all_host(rows: Iterable[Sequence[int]]) -> bool:
-    """Whether every row's buffers are host memory."""
-    return all(map(on_host, rows))

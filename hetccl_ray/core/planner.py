@@ -15,11 +15,12 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from hetccl_ray.core import costs
+from hetccl_ray.core.calls import on_host
 from hetccl_ray.core.op import Op
 from hetccl_ray.core.opkinds import kind
 from hetccl_ray.core.topology import Topology
@@ -42,6 +43,19 @@ TWO_HOP = "2hop"  # a small broadcast whose calls are not checked: the round's p
 # (one island); the small plan (the round, rows inside, or the two-hop broadcast); the rows-only
 # check, then the plan; the plan with no check (calls not checked)
 DIRECT, VENDOR, SMALL, CHECKED, UNCHECKED = "direct", "vendor", "small", "checked", "unchecked"
+POSTED = "posted"  # a host message posted straight over the border: no plan, none of the op wrapper's work
+# how a message moves (Choice.route): through the island library; pulled by its receiver from
+# the sender's memory (one host); over the TCP border's socket, the receiver taking whatever
+# the sender chose (one host); over the border
+ISLAND, PULL, SOCKET, BORDER = "island", "pull", "socket", "border"
+
+
+class OneHost(Protocol):
+    """What the shared-memory library takes where every rank shares this host (shm.py)."""
+
+    def takes_alltoall(self, nbytes: int) -> bool: ...
+    def pulls(self, nbytes: int) -> bool: ...
+    def pulls_message(self, nbytes: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,20 @@ class Choice:
     plan: Optional[str] = None
     offers: bool = False
     host_path: bool = False
+    route: str = BORDER  # a message's (ISLAND, PULL, SOCKET, BORDER)
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """How an all-to-all's blocks move, once its check agreed every rank's row: through shared
+    memory (``shared``: one host, host memory on every rank, sizes the library takes), else the
+    blocks of ``straight`` ranks (host memory) straight to their destinations and the rest along
+    the routes, whose moves inside an island go as one vendor all-to-all (``by_island``) or
+    over the border's socket."""
+
+    shared: bool
+    straight: frozenset[int]
+    by_island: bool
 
 
 @dataclass
@@ -78,6 +106,9 @@ class Planner:
     # what calibration's races measured: per op, per size, each plan's seconds summed over ranks
     races: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
     strict: bool = False  # the ``strict`` option: a group of one island checks its calls too
+    rank: int = 0  # whose choices these are
+    routed: frozenset[int] = frozenset()  # peers reached over a border of their own (RDMA)
+    one_host: Optional[OneHost] = None  # the shared-memory library, where every rank shares this host
 
     def choose(self, op: Op, host: bool, agreed: bool) -> Choice:
         """How ``op`` runs, from what every rank knows alike: the call, the topology, the
@@ -99,7 +130,9 @@ class Planner:
         row = kind(call.op)
         plan = (self.plan_of(call.op, row.whole_bytes(call.numel * call.dtype.itemsize, topo.world_size),
                              checked=self.check_calls) if row.round else None)
-        if op.peer is not None or topo.world_size == 1:
+        if op.peer is not None:
+            return self.message(op, host)
+        if topo.world_size == 1:
             return Choice(DIRECT, plan, host_path=host)
         one_island, small = len(topo.islands) == 1, plan in (ROUND, TWO_HOP)
         if one_island and agreed and op.moves and not op.agrees_counts and not self.strict and not (host and small):
@@ -110,11 +143,67 @@ class Planner:
         offers = self.shared_memory and op.offered is not None and host and self.check_calls
         return Choice(CHECKED if checked else UNCHECKED, plan, offers, host)
 
-    def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True) -> str:
+    def message(self, op: Op, host: bool, batch: bool = False) -> Choice:
+        """How a send or receive runs: a host message is posted straight over the border (in a
+        ``batch``, as torch's isend/irecv, every host message is: one pulled would wait for its
+        receiver), except one pulled on one host; the rest run their plan (``route``)."""
+        route = self.route(op.peer, op.buf.nbytes, host)
+        posted = host and op.moves and (batch or route != PULL)
+        return Choice(POSTED if posted else DIRECT, host_path=host, route=route)
+
+    def route(self, peer: int, nbytes: int, host: bool) -> str:
+        """How a message between this rank and ``peer`` moves (both ends decide alike from its
+        size): device buffers of an island peer through the island library; on one host over
+        the TCP border's socket unless ``peer`` is reached over a border of its own (RDMA), a
+        large host message pulled by its receiver; else over the border."""
+        topo = self.topology
+        if not host and topo.island_of(peer) == topo.island_of(self.rank):
+            return ISLAND
+        if self.one_host is None or peer in self.routed:
+            return BORDER
+        return PULL if host and self.one_host.pulls_message(nbytes) else SOCKET
+
+    def any_source(self, host: bool) -> Optional[str]:
+        """Why a receive from any source cannot run here (None: it can): it takes host memory
+        over the TCP border, as torch's Gloo (NCCL has no any-source receive)."""
+        if self.routed:
+            return f"ranks {sorted(self.routed)} are reached over RDMA"
+        return None if host else "the tensor is not in host memory"
+
+    def flat_with(self, choice: Choice, rows: Optional[Mapping[int, Sequence[int]]]) -> bool:
+        """Whether a checked op the planner gave the flat plan runs it: the rows show host
+        memory on every rank (the flat library is Gloo's or shared memory's)."""
+        return choice.plan == FLAT and rows is not None and all(map(on_host, rows.values()))
+
+    def alltoall(self, rows: Optional[Mapping[int, Sequence[int]]], largest_bytes: int, host_path: bool) -> AllToAll:
+        """How an all-to-all whose largest rank sends ``largest_bytes`` moves, from its agreed
+        ``rows`` (without rows, every block takes the routes)."""
+        straight = frozenset(r for r, row in (rows or {}).items() if self.goes_straight(row))
+        shared = (self.one_host is not None and rows is not None and len(straight) == len(rows)
+                  and self.one_host.takes_alltoall(largest_bytes))
+        return AllToAll(shared, straight, not host_path)
+
+    @staticmethod
+    def goes_straight(row: Sequence[int]) -> bool:
+        """Whether the rank whose call row is ``row`` sends its all-to-all blocks straight to
+        their destinations (host memory: one hop over the socket, sent during the check)."""
+        return on_host(row)
+
+    def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, checked: bool = True,
+                peer: Optional[int] = None) -> str:
         """"round", "2hop", "flat" or "plan" for a call of ``op`` on ``nbytes`` (nccl-tests'
         size). The flat plan needs the rows (``checked``) to show CPU tensors on every rank; a
         small broadcast whose calls are not checked needs none and takes two hops (not when
-        calibration forces the round, which it times)."""
+        calibration forces the round, which it times). An all-to-all: "flat" through shared
+        memory, "pull" from the senders' memory, else "direct" (blocks straight to their ranks);
+        a send of host memory (to ``peer``, or any peer over the TCP border): "pull" by its
+        receiver, else "p2p"."""
+        if op == "send":
+            return "pull" if self.route(self.rank if peer is None else peer, nbytes, True) == PULL else "p2p"
+        if op == "alltoall":
+            if self.one_host is None or not every_rank_on_host or not self.one_host.takes_alltoall(nbytes):
+                return "direct"
+            return "pull" if self.one_host.pulls(nbytes) else FLAT
         if self.forced == ROUND or (self.forced is None and nbytes <= self.small_bytes.get(op, 0)):
             return TWO_HOP if op == "broadcast" and not checked and self.forced is None else ROUND
         return self.beyond_round(op, nbytes, every_rank_on_host, checked)
@@ -174,11 +263,14 @@ def _probes(broadcasts: list[Callable[[torch.Tensor], None]], rounds: int) -> li
     return times
 
 
-def shared_memory(topology: Topology, check_calls: bool = True, strict: bool = False) -> Planner:
-    """The plan choice of a group on one host (shm.py): no round, the flat plan at every size
-    for CPU tensors (no socket is faster than shared memory), the hierarchical one for devices."""
+def shared_memory(topology: Topology, check_calls: bool = True, strict: bool = False, rank: int = 0,
+                  routed: frozenset[int] = frozenset(), one_host: Optional[OneHost] = None) -> Planner:
+    """The plan choice of a group on one host (shm.py, ``one_host``): no round, the flat plan at
+    every size for CPU tensors (no socket is faster than shared memory), the hierarchical one
+    for devices."""
     return Planner(topology, dict.fromkeys(costs.OPS, -1), True, dict.fromkeys(costs.OPS, 0.0),
-                   shared_memory=True, check_calls=check_calls, strict=strict)
+                   shared_memory=True, check_calls=check_calls, strict=strict, rank=rank, routed=routed,
+                   one_host=one_host)
 
 
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],

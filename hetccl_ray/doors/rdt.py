@@ -149,7 +149,7 @@ class HetCCLTensorTransport(TensorTransportManager):
                               f"got {sorted(kinds)}")
         owners = {devices.of(t) for t in rdt_object}
         with self._lock:
-            self._ready[_key(rdt_object)] = [d.current_stream().record() for d in owners if not d.host]
+            self._ready[_key(rdt_object)] = [mark for mark in map(devices.Device.mark, owners) if mark is not None]
         return TensorTransportMetadata([(t.shape, t.dtype) for t in rdt_object], kinds.pop() if kinds else None)
 
     def get_communicator_metadata(self, src_actor: Optional["ray.actor.ActorHandle"],

@@ -279,8 +279,7 @@ class Bridge:
     def _send(self, tensor: torch.Tensor, peer: int, transfer: int) -> None:
         """Send on the bridge's thread, once the work that made ``tensor`` on this thread's
         stream is done (the thread's own copies go on another stream)."""
-        device = devices.of(tensor)
-        made = None if device.host else device.current_stream().record()
+        made = devices.of(tensor).mark()
         timeout_s = self.channel.timeout_s
 
         def send() -> None:

@@ -10,7 +10,6 @@ over the border under the same state (:meth:`_post`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import logging
@@ -76,9 +75,6 @@ def _pinned(cls: type, **fields: Any) -> Any:
     return options
 
 
-_HOST_ONLY = contextlib.nullcontext()  # host buffers: no stream to make current
-
-
 class HetCCLGroup(BaseGroup):
     """A Ray collective group over vendor islands: ``backend="hetccl"``."""
 
@@ -116,6 +112,7 @@ class HetCCLGroup(BaseGroup):
         self._rendezvous, self._store, self._store_address = formed.rendezvous, formed.store, formed.store_address
         self._one_host = formed.one_host
         self._routed = frozenset(self.border.routed_peers)
+        self._island_peers = frozenset(self.island.ranks) - {rank}  # whose first message on a class needs a hello
         for peer, choice in self.lane_transports().items():
             logger.info("hetccl group '%s' rank %d -> rank %d: %s (%s)", group_name, rank, peer, choice.transport,
                         choice.why)
@@ -133,10 +130,12 @@ class HetCCLGroup(BaseGroup):
         self._flat = self._flat_library() if flat else None
         self._shared = self._flat if isinstance(self._flat, shm.ShmLibrary) else None
         if self._shared is not None:  # one host: every call checked and CPU data moved in shared memory
-            self.planner = planner.shared_memory(self.topology, self.options.check_calls, self.options.strict)
+            self.planner = planner.shared_memory(self.topology, self.options.check_calls, self.options.strict,
+                                                 self.rank, self._routed, self._shared)
             return
         self.planner = planner.Planner(self.topology, one_hop=self.options.one_hop,
-                                       check_calls=self.options.check_calls, strict=self.options.strict)
+                                       check_calls=self.options.check_calls, strict=self.options.strict,
+                                       rank=self.rank, routed=self._routed)
         planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
@@ -180,20 +179,8 @@ class HetCCLGroup(BaseGroup):
         return self.planner.small_bytes
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, peer: Optional[int] = None) -> str:
-        """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes: "round" (a
-        broadcast whose calls are not checked: "2hop"), "flat" (CPU tensors on every rank) or
-        "plan" (one island: the vendor op); all-to-all:
-        "flat" through shared memory, "pull" from the senders' memory, else "direct" (blocks
-        straight to their ranks); a send of CPU memory (to ``peer``, or any peer over the TCP
-        border): "pull" by its receiver, else "p2p"."""
-        if op == "send":
-            pulled = collectives.by_socket(self._shared, self._routed, peer) and self._shared.pulls_message(nbytes)
-            return "pull" if pulled else "p2p"
-        if op == "alltoall":
-            if self._shared is None or not every_rank_on_host or not self._shared.takes_alltoall(nbytes):
-                return "direct"
-            return "pull" if self._shared.pulls(nbytes) else planner.FLAT
-        return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls)
+        """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes (``Planner.plan_of``)."""
+        return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls, peer)
 
     def cost_model(self) -> list[str]:
         """The link costs and the plan each op takes by size, as lines for a header."""
@@ -287,24 +274,19 @@ class HetCCLGroup(BaseGroup):
             if op.peer is None:
                 self._progress.start(seq, call)  # what a timed-out peer reads: which op, which call
             before_bytes = self.border.bytes_sent
-            caller = stream = None
-            if not device.host:
-                caller, stream = device.current_stream(), self._stream_of(device)
-                stream.wait(caller.record())
+            stream = self._stream_of(device)
             ctx = PlanContext(self.topology, self.rank, collectives.LazyIsland(lambda: self._island_for(device)),
                               self.border, call.tag(), time.monotonic() + self.options.timeout_s, self._scratch,
                               self._pipeline, self.options.piece_bytes, self.border.default, device, stream,
-                              shared=self._shared, routed=self._routed, one_hop=self.planner.one_hop)
+                              shared=self._shared, one_hop=self.planner.one_hop)
             try:
-                with device.using(stream) if stream is not None else _HOST_ONLY:
+                with device.ordered(stream):
                     problem = self._dispatch(ctx, op)
             except (HetCCLError, RuntimeError) as exc:
                 raise self._break(exc, self._where(call.op, seq), seq, op.peer) from exc
             finally:
                 self.last_op_bytes_sent = self.border.bytes_sent - before_bytes
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
-                if stream is not None:
-                    caller.wait(stream.record())
             if problem is not None:  # every rank saw every call and no user buffer changed: still usable
                 raise HetCCLMismatchError(f"{self._where(call.op, seq)}: mismatched call: {problem}")
 
@@ -333,10 +315,10 @@ class HetCCLGroup(BaseGroup):
         topology, the agreed thresholds and the device classes checks showed); returns who
         disagrees (None: the op ran). Device buffers go through host memory for the round."""
         choice, problem = self.planner.choose(op, ctx.device.host, ctx.device.code in self._agreed), None
-        ctx.host_path = choice.host_path
+        ctx.host_path, ctx.route = choice.host_path, choice.route
         for into, source in op.copy_in:
             ctx.launch(copy, into, source)
-        if choice.path in (planner.DIRECT, planner.VENDOR):
+        if choice.path in (planner.DIRECT, planner.VENDOR, planner.POSTED):  # the op's plan alone
             if op.moves:
                 self._plan(ctx, op)
         elif choice.path == planner.SMALL:
@@ -347,7 +329,7 @@ class HetCCLGroup(BaseGroup):
             if choice.path == planner.CHECKED:
                 problem = self._check(ctx, op)
             if problem is None and op.moves:
-                if choice.plan == planner.FLAT and ctx.every_rank_on_host():  # the rows show CPU tensors everywhere
+                if self.planner.flat_with(choice, ctx.rows):
                     ctx.flat = self._flat
                 self._plan(ctx, op)
         if problem is None:
@@ -372,11 +354,12 @@ class HetCCLGroup(BaseGroup):
             op.ahead.wait()  # every receiver drains what came ahead
         return problem
 
-    @staticmethod
-    def _plan(ctx: PlanContext, op: Op) -> None:
+    def _plan(self, ctx: PlanContext, op: Op) -> None:
         """The op's plan: a collective's over its buffer, an all-to-all's routes, a message."""
         if op.blocks is not None:
-            collectives.alltoall(ctx, op.counts, *op.blocks, op.ahead)
+            largest = max(map(sum, op.counts)) * op.blocks[0][0].element_size()
+            collectives.alltoall(ctx, self.planner.alltoall(ctx.rows, largest, ctx.host_path), op.counts, *op.blocks,
+                                 op.ahead)
         elif op.peer is not None:
             (collectives.send if op.name == "send" else collectives.recv)(ctx, op.buf, op.peer)
         else:
@@ -384,8 +367,6 @@ class HetCCLGroup(BaseGroup):
 
     def _stream_of(self, device: devices.Device) -> Optional[devices.StreamLike]:
         """The group's side stream on ``device`` (None for host memory)."""
-        if device.host:
-            return None
         if device not in self._streams:
             self._streams[device] = device.new_stream()
         return self._streams[device]
@@ -490,9 +471,8 @@ class HetCCLGroup(BaseGroup):
         """Receive ``tensor`` from whichever rank sends to this one first; returns that rank.
         CPU tensors over the TCP border (as torch's Gloo; NCCL has no any-source receive)."""
         x = Operand(self.ops.one(tensor, "recv from any source"), moving=True)
-        rdma = sorted(self._routed)
-        if not devices.of(x.flat).host or rdma:
-            why = f"ranks {rdma} are reached over RDMA" if rdma else f"the tensor is on {x.flat.device}"
+        why = self.planner.any_source(devices.of(x.flat).host)
+        if why is not None:
             raise HetCCLInputError(f"group '{self.group_name}': recv from any source takes CPU tensors over the "
                                    f"TCP border; here {why}; pass the source rank")
         deadline = time.monotonic() + self.options.timeout_s
@@ -514,7 +494,7 @@ class HetCCLGroup(BaseGroup):
     def _unmet(self, flat: torch.Tensor, peer: int) -> bool:
         """Whether a message with ``peer`` on ``flat``'s device class needs a hello first (hello.py):
         the first with an island peer on that class."""
-        return (peer, devices.of(flat).code) not in self._met and self.topology.island_of(peer) == self.island
+        return peer in self._island_peers and (peer, devices.of(flat).code) not in self._met
 
     def _hello(self, flat: torch.Tensor, peer: int) -> Optional[hello.Hello]:
         """Post the hellos with ``peer`` where a message on ``flat``'s class needs them first."""
@@ -552,7 +532,7 @@ class HetCCLGroup(BaseGroup):
         island peers, the border otherwise). An island peer's first message on a device class
         comes after a hello each way (hello.py)."""
         self._greet(op.name, self._hello(op.buf, op.peer))
-        if devices.of(op.buf).host and op.call.numel and self.plan_of("send", op.buf.nbytes, peer=op.peer) == "p2p":
+        if self.planner.message(op, devices.of(op.buf).host).path == planner.POSTED:
             self._post(op)()
             return
         self.run(op)
@@ -571,7 +551,7 @@ class HetCCLGroup(BaseGroup):
         waited for, so a batch in which every rank sends to and receives from every other
         completes whatever the sizes. Host tensors; device ones run :meth:`send`/:meth:`recv`."""
         message = self.ops.p2p(op, tensor, peer)
-        if not devices.of(message.buf).host or not message.call.numel:
+        if self.planner.message(message, devices.of(message.buf).host, batch=True).path != planner.POSTED:
             self._p2p(message)
             return lambda: None
         posted = self._hello(message.buf, message.peer)  # ahead of the message on its link
@@ -595,7 +575,7 @@ class HetCCLGroup(BaseGroup):
             self._raise_if_broken()
             seq = self._next_p2p_seq(name, peer, tag)
             mark = op.call.numbered(seq, 0).tag()
-            flexible = name == "recv" and collectives.by_socket(self._shared, self._routed, peer)
+            flexible = name == "recv" and self.planner.route(peer, buf.nbytes, True) != planner.BORDER
             try:
                 handle = (self.border.isend(peer, buf, mark) if name == "send" else
                           self.border.default.irecv(peer, buf, mark, flexible=True) if flexible else

@@ -90,6 +90,27 @@ class Device:
         """Make ``stream`` current on this thread (kernels the host starts go there)."""
         yield
 
+    @contextlib.contextmanager
+    def ordered(self, side: Optional[StreamLike]) -> Iterator[None]:
+        """An op on its side stream ``side`` (None on host memory: nothing to order): it waits
+        for the caller's current stream at entry (an event, no host block), is current
+        meanwhile, and the caller's stream waits for it at exit."""
+        if side is None:
+            yield
+            return
+        caller = self.current_stream()
+        side.wait(caller.record())
+        try:
+            with self.using(side):
+                yield
+        finally:
+            caller.wait(side.record())
+
+    def mark(self) -> Optional[EventLike]:
+        """An event at the end of the current stream (None on host memory: nothing to wait for)."""
+        stream = self.current_stream()
+        return stream.record() if stream is not None else None
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Host memory for staging (pinned where the device copies from it faster)."""
         return torch.empty(nbytes, dtype=torch.uint8)

@@ -22,14 +22,14 @@ contiguous tensors; per-rank chunks (allgather, reducescatter) are laid out isla
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from hetccl_ray.core import opkinds, routes, plans
 from hetccl_ray.runtime import small_round
 from hetccl_ray.memory.buffers import copy, view
-from hetccl_ray.core.calls import on_host
+from hetccl_ray.core.planner import ISLAND, PULL, SOCKET, AllToAll
 from hetccl_ray.islands.libraries import IslandComm
 from hetccl_ray.runtime.runner import PlanContext, execute
 from hetccl_ray.core.plans import BUF
@@ -114,30 +114,23 @@ class SentAhead:
             self.ctx.wait(handle)
 
 
-def shm_alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], itemsize: int) -> bool:
-    """Whether an all-to-all goes through shared memory (one host, CPU tensors on every
-    rank, sizes the library takes)."""
-    return (ctx.shared is not None and ctx.every_rank_on_host()
-            and ctx.shared.takes_alltoall(max(map(sum, counts)) * itemsize))
-
-
-def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
+def alltoall(ctx: PlanContext, how: AllToAll, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
              outputs: Sequence[torch.Tensor], ahead: Optional[SentAhead] = None) -> None:
     """Send ``inputs[t]`` to rank t and receive ``outputs[r]`` from rank r (``counts[r][t]``
     elements, agreed by every rank). Blocks from host memory go straight, one hop (``ahead``:
     already sent during the check; else sent now), each cross-island byte once; the rows say
-    which ranks' are (without rows none). Blocks from device memory go along routes.py's
+    which ranks' are (``how``, the planner's). Blocks from device memory go along routes.py's
     routes: gathered inside the island by destination lane (one vendor all-to-all per stage),
     across once per island pair and lane, scattered inside; in pieces whose border stage
     overlaps the island stages."""
     me = ctx.rank
-    if shm_alltoall(ctx, counts, inputs[me].element_size()):
+    if how.shared:
         order = ctx.topo.island_major_order
         ctx.shared.alltoall([outputs[r] for r in order], [inputs[t] for t in order],
                             [[counts[r][t] for t in order] for r in order])
         return
     ctx.launch(copy, outputs[me], inputs[me])
-    host = {r for r, row in (ctx.rows or {}).items() if on_host(row)}
+    host = how.straight
     straight = [(t, inputs[t]) for t in range(ctx.topo.world_size) if t != me] if me in host and ahead is None else []
     rode = {r for r in host - {me} if small_round.rides(ctx, r, outputs[r].nbytes)} if ahead is not None else set()
     for peer in rode:  # it came in the check's message
@@ -150,26 +143,18 @@ def alltoall(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence
         ahead.wait()
     rest = [[0] * len(row) if r in host else list(row) for r, row in enumerate(counts)]
     if any(map(any, rest)):
-        _routed(ctx, rest, inputs, outputs)
+        _routed(ctx, rest, inputs, outputs, how.by_island)
 
 
 def _routed(ctx: PlanContext, counts: Sequence[Sequence[int]], inputs: Sequence[torch.Tensor],
-            outputs: Sequence[torch.Tensor]) -> None:
+            outputs: Sequence[torch.Tensor], by_island: bool) -> None:
     """The blocks of ``counts`` along routes.py's routes, as its plan. Moves inside an island
-    take the border's socket for CPU tensors, one vendor all-to-all per stage for device ones."""
+    go as one vendor all-to-all per stage (``by_island``) or over the border's socket."""
     me, world = ctx.rank, ctx.topo.world_size
-    by_island = ctx.direct is None or not ctx.host_path
     count = ctx.pieces(routes.largest_crossing(ctx.topo, counts) * inputs[me].element_size())
     plan = routes.plan(ctx.topo, me, tuple(map(tuple, counts)), count, by_island)
     named = {**{f"in:{t}": inputs[t] for t in range(world)}, **{f"out:{r}": outputs[r] for r in range(world)}}
     execute(ctx, plan, named, like=inputs[me])
-
-
-def _by_island(ctx: PlanContext, peer: int) -> bool:
-    """Whether a message to ``peer`` goes through the island library: device tensors to an
-    island peer do; CPU tensors take the border's socket (one hop, cheaper than Gloo's P2P)."""
-    same = ctx.topo.island_of(peer) == ctx.my_island
-    return same and (ctx.direct is None or not ctx.host_path)
 
 
 _PULL = b"pull"  # a message's control bytes: its payload is where the sender's bytes lie, to be pulled
@@ -186,20 +171,13 @@ def spilled(handle: Handle, buf: torch.Tensor) -> Optional[tuple[Optional[int], 
     return None if handle.spill is None else (None, len(handle.spill))
 
 
-def by_socket(shared: object, routed: Collection[int], peer: int) -> bool:
-    """Whether a message with ``peer`` goes over the TCP border's socket, whose receiver takes
-    whatever its sender chose (the bytes, or where they lie to pull): on one host (``shared``)
-    unless ``peer`` is ``routed`` over a border of its own (RDMA), which both ends then take."""
-    return shared is not None and peer not in routed
-
-
 def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
-    """Vendor P2P inside an island; on one host a large CPU message is pulled by its receiver
-    (the sender sends where its bytes lie, then waits until they are read: one copy, not two
-    through a socket); the border otherwise."""
-    if _by_island(ctx, peer):
+    """Along the planner's route (``ctx.route``): vendor P2P inside an island; on one host a
+    large CPU message pulled by its receiver (the sender sends where its bytes lie, then waits
+    until they are read: one copy, not two through a socket); the border otherwise."""
+    if ctx.route == ISLAND:
         ctx.island.send(buf, ctx.topo.local_rank(peer))
-    elif by_socket(ctx.shared, ctx.routed, peer) and ctx.host_path and ctx.shared.pulls_message(buf.nbytes):
+    elif ctx.route == PULL:
         where = torch.tensor([buf.data_ptr(), buf.nbytes], dtype=torch.int64)
         ctx.wait(ctx.direct.isend(peer, where, ctx.tag, extra=_PULL))
         ctx.shared.wait_pulled(peer)
@@ -209,10 +187,11 @@ def send(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
 
 def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
     """Counterpart of :func:`send`: on one host the sender decides (its buffer may be on a
-    device), so a receive takes the bytes or where they lie, and names a size mismatch."""
-    if _by_island(ctx, peer):
+    device), so a receive over the socket takes the bytes or where they lie, and names a size
+    mismatch."""
+    if ctx.route == ISLAND:
         ctx.island.recv(buf, ctx.topo.local_rank(peer))
-    elif by_socket(ctx.shared, ctx.routed, peer):
+    elif ctx.route in (PULL, SOCKET):
         ctx.host_wait()
         handle = ctx.direct.irecv(peer, buf, ctx.tag, flexible=True)
         ctx.wait(handle)

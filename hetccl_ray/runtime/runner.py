@@ -23,7 +23,7 @@ import torch
 from hetccl_ray.memory import buffers
 from hetccl_ray.memory.buffers import combine, copy, view
 from hetccl_ray.core import opkinds
-from hetccl_ray.core.calls import all_host
+from hetccl_ray.core.planner import BORDER
 from hetccl_ray.islands.libraries import IslandComm
 from hetccl_ray.core.plans import (BUF, BorderStep, FoldIn, FoldStep, IslandMoves, IslandStep, Land, Move, Plan,
                                             Ref, RowsStep, Span, Step)
@@ -64,17 +64,16 @@ class PlanContext:
     rows: Optional[dict[int, list[int]]] = None  # every rank's call row, once a round agreed them
     flat: Optional[IslandComm] = None  # the library over every rank, when the planner chose the flat plan
     shared: Any = None  # every rank on one host: the shared-memory library (shm.py) checks calls and moves CPU data
-    routed: frozenset[int] = frozenset()  # peers ``border`` reaches over a border of their own (RDMA), not ``direct``
     one_hop: bool = False  # the group's small rounds and checks go in one hop (rounds.py), not three
     # the planner's path for the op's buffers: the host path (messages over the border's socket,
     # host blocks sent ahead, pulled on one host) or the device path (island peers through the
     # island library, pulled bytes staged through host memory)
     host_path: bool = False
+    route: str = BORDER  # a message's route, the planner's (planner.route)
 
     def __post_init__(self) -> None:
         self.vendor = self.island  # the island library itself; ``island`` launches on the stream
-        if not self.device.host:
-            self.island = _Launched(self.island, self)
+        self.island = _Launched(self.island, self)
 
     def launch(self, fn: Callable, *args) -> None:
         """Device work on the op's stream (runs now for host memory)."""
@@ -82,17 +81,12 @@ class PlanContext:
 
     def host_wait(self) -> None:
         """Wait until the op's stream has done its launched work: the host may touch the buffers."""
-        if not self.device.host:
-            self.device.host_wait(self.stream, self.deadline, f"op {self.tag.op} #{self.tag.seq} on rank {self.rank}")
+        self.device.host_wait(self.stream, self.deadline, f"op {self.tag.op} #{self.tag.seq} on rank {self.rank}")
 
     def on_stream(self, fn: Callable, *args) -> None:
         """Run host code that may start kernels (border copies) with the op's stream current."""
         with self.device.using(self.stream):
             fn(*args)
-
-    def every_rank_on_host(self) -> bool:
-        """Whether every rank's buffers are host memory, from the agreed rows (False without them)."""
-        return self.rows is not None and all_host(self.rows.values())
 
     @property
     def my_island(self):

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from hetccl_ray.core import rounds, routes
-from hetccl_ray.core.calls import OP_CODES, ROW_WIDTH, Call, disagreement, on_host
+from hetccl_ray.core.calls import OP_CODES, ROW_WIDTH, Call, disagreement
+from hetccl_ray.core.planner import Planner
 from hetccl_ray.runtime.runner import Ahead, execute
 from hetccl_ray.core.plans import BUF
 from hetccl_ray.errors import HetCCLMismatchError
@@ -117,7 +118,7 @@ def sent_ahead(call: Call, row: list[int], to: int) -> int:
     """Elements the rank that made ``call`` (its ``row``) sent ``to`` ahead of the round: an
     all-to-all's block from host memory goes straight to its destination while the round
     runs (plans.alltoall)."""
-    if call.op != "alltoall" or not on_host(row) or len(row) <= ROW_WIDTH + to:
+    if call.op != "alltoall" or not Planner.goes_straight(row) or len(row) <= ROW_WIDTH + to:
         return 0
     return row[ROW_WIDTH + to]
 

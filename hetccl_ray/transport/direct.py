@@ -117,5 +117,4 @@ def _visible(buffers: Sequence[torch.Tensor], timeout_s: float) -> None:
     """Received device bytes are there for any stream (the copies ran on this thread's): one
     host wait per device, not per tensor."""
     for buf in {buf.device: buf for buf in buffers}.values():
-        if not devices.of(buf).host:
-            devices.synchronize(buf, timeout_s)
+        devices.synchronize(buf, timeout_s)
