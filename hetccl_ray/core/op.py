@@ -56,6 +56,7 @@ class Op:
     written: Sequence[Operand] = ()
     offered: Optional[Sequence[torch.Tensor]] = None  # None: the op publishes nothing with its check
     agrees_counts: bool = False  # an all-to-all: block sizes agreed in its check
+    tag: int = 0  # a message's tag (torch's): numbered apart, in the high bits of its sequence number
     ahead: Any = None  # an all-to-all's host blocks sent during its check (collectives.SentAhead)
 
     def __post_init__(self) -> None:
@@ -211,15 +212,15 @@ class OpBuilder:
         counts = [[n if r == root else 0 for _ in range(world)] for r in range(world)]
         return Op(Call(name, x.flat.dtype, n, root), blocks=(at_root, mine), counts=counts, written=[x])
 
-    def p2p(self, op: str, tensor: Any, peer: Any) -> Op:
-        """A send or receive (``op``) of ``tensor`` with ``peer``."""
+    def p2p(self, op: str, tensor: Any, peer: Any, tag: int = 0) -> Op:
+        """A send or receive (``op``) of ``tensor`` with ``peer`` under ``tag``."""
         x = Operand(self.one(tensor, op), moving=True)
         peer = self.rank_of(peer, f"{op} peer")
         if peer == self.rank:
             raise HetCCLInputError(f"group '{self.group_name}': rank {self.rank} cannot {op} to itself")
-        return self.message(op, x, peer)
+        return self.message(op, x, peer, tag)
 
     @staticmethod
-    def message(op: str, x: Operand, peer: int) -> Op:
+    def message(op: str, x: Operand, peer: int, tag: int = 0) -> Op:
         """A send or receive (``op``) of the operand ``x`` with ``peer`` (checked)."""
-        return Op(Call(op, x.flat.dtype, x.numel), x.flat, peer=peer, written=[x] if op == "recv" else [])
+        return Op(Call(op, x.flat.dtype, x.numel), x.flat, peer=peer, written=[x] if op == "recv" else [], tag=tag)

@@ -131,7 +131,7 @@ class Planner:
         plan = (self.plan_of(call.op, row.whole_bytes(call.numel * call.dtype.itemsize, topo.world_size),
                              checked=self.check_calls) if row.round else None)
         if op.peer is not None:
-            return self.message(op, host)
+            return self.message(op, host)  # posted or not: a batch's caller asks message()
         if topo.world_size == 1:
             return Choice(DIRECT, plan, host_path=host)
         one_island, small = len(topo.islands) == 1, plan in (ROUND, TWO_HOP)

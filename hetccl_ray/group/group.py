@@ -49,6 +49,7 @@ from hetccl_ray.transport.base import mismatch
 from hetccl_ray.transport.choice import Choice
 
 logger = logging.getLogger(__name__)
+_DONE: Callable[[], None] = lambda: None  # noqa: E731 - the wait of an op that has completed
 
 BACKEND = "HETCCL"
 
@@ -251,9 +252,11 @@ class HetCCLGroup(BaseGroup):
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
-    def run(self, op: Op) -> None:
+    def run(self, op: Op, choice: Optional[planner.Choice] = None) -> Callable[[], None]:
         """Run one op (a door's ``Op`` record) under the group's sequence number, deadline, error
-        state and stream order; which plan it takes is :meth:`_dispatch`'s.
+        state and stream order, as the planner chooses (``choice``: made already, a message's);
+        returns its wait: a host message posted straight (:meth:`_post`) completes there, every
+        other op has completed on return.
 
         A rank that called something else (or ranks of one island on different device
         classes) is named on every rank before any user buffer is written, and the group
@@ -269,8 +272,11 @@ class HetCCLGroup(BaseGroup):
                 self._seq += 1
                 seq = self._seq
             else:
-                seq = self._next_p2p_seq(op.name, op.peer)
+                seq = self._next_p2p_seq(op.name, op.peer, op.tag)
             call = op.call = op.call.numbered(seq, device.code)
+            choice = choice or self.planner.choose(op, device.host, device.code in self._agreed)
+            if choice.path == planner.POSTED:
+                return self._post(op, seq)
             if op.peer is None:
                 self._progress.start(seq, call)  # what a timed-out peer reads: which op, which call
             before_bytes = self.border.bytes_sent
@@ -281,7 +287,7 @@ class HetCCLGroup(BaseGroup):
                               shared=self._shared, one_hop=self.planner.one_hop)
             try:
                 with device.ordered(stream):
-                    problem = self._dispatch(ctx, op)
+                    problem = self._dispatch(ctx, op, choice)
             except (HetCCLError, RuntimeError) as exc:
                 raise self._break(exc, self._where(call.op, seq), seq, op.peer) from exc
             finally:
@@ -289,6 +295,7 @@ class HetCCLGroup(BaseGroup):
                 self._sent_by_op[call.op] += self.last_op_bytes_sent
             if problem is not None:  # every rank saw every call and no user buffer changed: still usable
                 raise HetCCLMismatchError(f"{self._where(call.op, seq)}: mismatched call: {problem}")
+        return _DONE
 
     def _where(self, op: str, seq: int) -> str:
         """The op of an error (made only on error): what, which call (a message's tag, in the
@@ -310,15 +317,15 @@ class HetCCLGroup(BaseGroup):
             raise HetCCLBrokenError(f"group '{self.group_name}' is broken by an earlier failure "
                                     f"({self._broken}); destroy and re-create it") from self._broken
 
-    def _dispatch(self, ctx: PlanContext, op: Op) -> Optional[str]:
-        """Run ``op`` the way the planner chooses (``Planner.choose``: from the call, the
-        topology, the agreed thresholds and the device classes checks showed); returns who
-        disagrees (None: the op ran). Device buffers go through host memory for the round."""
-        choice, problem = self.planner.choose(op, ctx.device.host, ctx.device.code in self._agreed), None
+    def _dispatch(self, ctx: PlanContext, op: Op, choice: planner.Choice) -> Optional[str]:
+        """Run ``op`` the way the planner chose (``Planner.choose``: from the call, the topology,
+        the agreed thresholds and the device classes checks showed); returns who disagrees
+        (None: the op ran). Device buffers go through host memory for the round."""
+        problem = None
         ctx.host_path, ctx.route = choice.host_path, choice.route
         for into, source in op.copy_in:
             ctx.launch(copy, into, source)
-        if choice.path in (planner.DIRECT, planner.VENDOR, planner.POSTED):  # the op's plan alone
+        if choice.path in (planner.DIRECT, planner.VENDOR):
             if op.moves:
                 self._plan(ctx, op)
         elif choice.path == planner.SMALL:
@@ -488,7 +495,7 @@ class HetCCLGroup(BaseGroup):
             if not self._unmet(x.flat, source):
                 break
             self._greet("recv", self._hello(x.flat, source))
-        self._p2p(self.ops.message("recv", x, source))
+        self._p2p(self.ops.message("recv", x, source))()
         return source
 
     def _unmet(self, flat: torch.Tensor, peer: int) -> bool:
@@ -525,17 +532,25 @@ class HetCCLGroup(BaseGroup):
                 raise self._break(exc, f"{op} in group '{self.group_name}' on rank {self.rank}", 0,
                                   posted.peer) from exc
 
-    def _p2p(self, op: Op) -> None:
-        """A send or receive run to completion: a host message straight over the border
-        (:meth:`_post`: no plan to choose, so none of the op wrapper's work), except one pulled
-        on one host; the rest through the wrapper (the island library for device tensors of
-        island peers, the border otherwise). An island peer's first message on a device class
-        comes after a hello each way (hello.py)."""
-        self._greet(op.name, self._hello(op.buf, op.peer))
-        if self.planner.message(op, devices.of(op.buf).host).path == planner.POSTED:
-            self._post(op)()
-            return
-        self.run(op)
+    def _p2p(self, op: Op, batch: bool = False) -> Callable[[], None]:
+        """A send or receive through :meth:`run` (``batch``: posted, as torch's isend/irecv, its
+        wait run later); returns its wait. An island peer's first message on a device class
+        comes after a hello each way (hello.py): a message run now waits for the peer's hello
+        first, a posted one with its own wait."""
+        choice = self.planner.message(op, devices.of(op.buf).host, batch)
+        posted = self._hello(op.buf, op.peer)  # ahead of the message on its link
+        if choice.path != planner.POSTED:
+            self._greet(op.name, posted)
+            posted = None
+        wait = self.run(op, choice)
+        if posted is None:
+            return wait
+
+        def greeted() -> None:
+            self._greet(op.name, posted)
+            wait()
+
+        return greeted
 
     def _next_p2p_seq(self, op: str, peer: int, tag: int = 0) -> int:
         """The sequence number of this rank's next ``op`` ("send"/"recv") with ``peer`` under
@@ -549,41 +564,24 @@ class HetCCLGroup(BaseGroup):
         """Post a send or receive of ``tensor`` ("send"/"recv") without waiting for it, as
         torch's isend/irecv: returns the wait. Every posted transfer progresses while any is
         waited for, so a batch in which every rank sends to and receives from every other
-        completes whatever the sizes. Host tensors; device ones run :meth:`send`/:meth:`recv`."""
-        message = self.ops.p2p(op, tensor, peer)
-        if self.planner.message(message, devices.of(message.buf).host, batch=True).path != planner.POSTED:
-            self._p2p(message)
-            return lambda: None
-        posted = self._hello(message.buf, message.peer)  # ahead of the message on its link
-        wait = self._post(message, tag)
-        if posted is None:
-            return wait
+        completes whatever the sizes. Host tensors; device ones run now."""
+        return self._p2p(self.ops.p2p(op, tensor, peer, tag), batch=True)
 
-        def greeted() -> None:
-            self._greet(op, posted)
-            wait()
-
-        return greeted
-
-    def _post(self, op: Op, tag: int = 0) -> Callable[[], None]:
-        """Post a host message over the border under this rank's next sequence number with its
-        peer (the op wrapper's error state and deadline, none of its plan choice); returns its
-        wait. On one host a receive takes whatever its sender sent, so that a sender offering
-        a message to pull (a larger one) is named as a mismatch, not misread."""
-        name, buf, peer = op.name, op.buf, op.peer
-        with self._lock:
-            self._raise_if_broken()
-            seq = self._next_p2p_seq(name, peer, tag)
-            mark = op.call.numbered(seq, 0).tag()
-            flexible = name == "recv" and self.planner.route(peer, buf.nbytes, True) != planner.BORDER
-            try:
-                handle = (self.border.isend(peer, buf, mark) if name == "send" else
-                          self.border.default.irecv(peer, buf, mark, flexible=True) if flexible else
-                          self.border.irecv(peer, buf, mark))
-            except (HetCCLError, RuntimeError) as exc:
-                raise self._break(exc, self._where(name, seq), seq, peer) from exc
-            self.last_op_bytes_sent = buf.nbytes if name == "send" else 0
-            self._sent_by_op[name] += self.last_op_bytes_sent
+    def _post(self, op: Op, seq: int) -> Callable[[], None]:
+        """With the lock held: post a host message over the border as ``seq`` (no plan to run);
+        returns its wait, under the op wrapper's error state and deadline. On one host a receive
+        takes whatever its sender sent, so that a sender offering a message to pull (a larger
+        one) is named as a mismatch, not misread."""
+        name, buf, peer, mark = op.name, op.buf, op.peer, op.call.tag()
+        flexible = name == "recv" and self.planner.route(peer, buf.nbytes, True) != planner.BORDER
+        try:
+            handle = (self.border.isend(peer, buf, mark) if name == "send" else
+                      self.border.default.irecv(peer, buf, mark, flexible=True) if flexible else
+                      self.border.irecv(peer, buf, mark))
+        except (HetCCLError, RuntimeError) as exc:
+            raise self._break(exc, self._where(name, seq), seq, peer) from exc
+        self.last_op_bytes_sent = buf.nbytes if name == "send" else 0
+        self._sent_by_op[name] += self.last_op_bytes_sent
         deadline = time.monotonic() + self.options.timeout_s
 
         def wait() -> None:
@@ -602,10 +600,10 @@ class HetCCLGroup(BaseGroup):
         return wait
 
     def send(self, tensor: Any, send_options: Any) -> None:
-        self._p2p(self.ops.p2p("send", tensor, send_options.dst_rank))
+        self._p2p(self.ops.p2p("send", tensor, send_options.dst_rank))()
 
     def recv(self, tensor: Any, recv_options: Any) -> None:
-        self._p2p(self.ops.p2p("recv", tensor, recv_options.src_rank))
+        self._p2p(self.ops.p2p("recv", tensor, recv_options.src_rank))()
 
     def destroy_group(self) -> None:
         """Close the border, the island communicators and the progress thread; drop KV records."""
