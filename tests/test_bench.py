@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -148,16 +147,17 @@ def test_on_a_delayed_border_both_rounds_are_right(monkeypatch):
 
 
 @pytest.mark.slow
-def test_notebook_runs(tmp_path):
+def test_notebook_runs(tmp_path, monkeypatch):
     notebook = nbformat.read(REPO / "notebooks" / "bandwidth.ipynb", as_version=4)
-    os.environ.update(HETCCL_NB_MAX="256K", HETCCL_NB_RATE="500mbit", HETCCL_NB_PLOT=str(tmp_path / "bw.png"))
+    for name, value in dict(HETCCL_NB_MAX="256K", HETCCL_NB_RATE="500mbit", HETCCL_NB_PLOT=str(tmp_path / "bw.png")).items():
+        monkeypatch.setenv(name, value)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     assert (tmp_path / "bw.png").stat().st_size > 10_000
 
 
-def test_balance_notebook_plots_the_benchmark(tmp_path):
+def test_balance_notebook_plots_the_benchmark(tmp_path, monkeypatch):
     notebook = nbformat.read(REPO / "notebooks" / "balanced.ipynb", as_version=4)
-    os.environ["HETCCL_NB_PLOT"] = str(tmp_path / "balance.png")
+    monkeypatch.setenv("HETCCL_NB_PLOT", str(tmp_path / "balance.png"))
     NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     assert (tmp_path / "balance.png").stat().st_size > 10_000
     printed = "".join(out.get("text", "") for out in notebook.cells[1].outputs)
