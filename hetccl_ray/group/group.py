@@ -213,11 +213,15 @@ class HetCCLGroup(BaseGroup):
 
     def _island_for(self, device: devices.Device) -> IslandComm:
         """This rank's island communicator for buffers on ``device`` (made on first use: every
-        island rank makes it at the same op, since ranks of one island agree on the device)."""
+        island rank makes it at the same op, since ranks of one island agree on the device):
+        host memory of an island whose ranks share a host in shared memory (shm.py), else the
+        device's library."""
         if device.kind not in self._islands:
-            island = self.island
-            self._islands[device.kind] = self._library(device, f"{island.name}/{device.kind}",
-                                                       self.topology.local_rank(self.rank), island.size)
+            island, rank, name = self.island, self.topology.local_rank(self.rank), f"{self.island.name}/{device.kind}"
+            shared = (shm.ShmLibrary.create(self._store_of(f"{name}/shm"), rank, island.size, 1, self.options.timeout_s,
+                                            self.border.gone, island.ranks, pull=False)
+                      if device.shares_host_memory and island.size > 1 and self.options.same_host else None)
+            self._islands[device.kind] = shared or self._library(device, name, rank, island.size)
         return self._islands[device.kind]
 
     def _library(self, device: devices.Device, name: str, rank: int, size: int) -> IslandComm:

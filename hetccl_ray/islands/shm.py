@@ -115,9 +115,10 @@ def _mapped(path: str, nbytes: int, create: bool) -> np.ndarray:
 
 
 class ShmLibrary:
-    """Call rows and the ops (allreduce, reduce, broadcast, allgather, reduce_scatter,
+    """Call rows and the ops (allreduce, reduce, broadcast, allgather, gather, reduce_scatter,
     alltoall) over ``size`` ranks of one host; ``create`` makes it where every rank maps
-    a common file. ``row_width``: the most ints a call row holds."""
+    a common file. ``row_width``: the most ints a call row holds. The flat library of a group
+    on one host, and the island library of host memory for an island on one host."""
 
     def __init__(self, prefix: str, control: np.ndarray, rank: int, size: int, row_width: int,
                  timeout_s: float, gone: Callable[[int], bool], names: Sequence[int],
@@ -411,6 +412,11 @@ class ShmLibrary:
             for r, (region, span) in enumerate(zip(regions, parts)):
                 if r != self.rank:
                     copy(view(buf, span), view(region, (0, span[1])))
+
+    def gather(self, buf: torch.Tensor, counts: Sequence[int], root: int) -> None:
+        """Each rank's range of ``buf`` to ``root`` (to every rank: a gather costs the steps of
+        an allgather here; the other ranks' buffers are the plan's scratch)."""
+        self.allgather(buf, counts)
 
     def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
         """This rank's range of ``buf`` (its own values already) folds in every peer's."""

@@ -57,6 +57,7 @@ class Device:
     """One kind of device memory and how work on it is ordered."""
 
     kind = "cpu"
+    shares_host_memory = False  # whether an island of one host runs its ops in shared memory (shm.py)
     host = True  # the host reads and writes its memory directly, with nothing to wait for
     # torch ops the host issues on this memory are themselves stream-ordered (kernels on the
     # current stream); where not (the emulated device runs them at once), a waiter blocks
@@ -118,6 +119,8 @@ class Device:
 
 class HostDevice(Device):
     """CPU tensors: every launch runs now, every wait returns at once."""
+
+    shares_host_memory = True  # ranks of an island on one host take a shared-memory island library
 
 
 def _wait_polling(done: Callable[[], bool], deadline: float, what: str) -> None:
