@@ -316,16 +316,3 @@ def test_the_planner_routes_messages_and_alltoall_blocks_from_agreed_facts_alone
     flat = pl.Choice(pl.CHECKED, pl.FLAT)
     assert host.flat_with(flat, {**rows, 2: cpu}) and not host.flat_with(flat, rows) and not host.flat_with(flat, None)
     assert not host.flat_with(pl.Choice(pl.CHECKED, pl.PLAN), {**rows, 2: cpu})
-
-
-def test_the_piece_size_is_sixteen_hop_times_of_bytes_on_the_measured_link():
-    """Pieces whose border stage is 16 hop times long (the nearest power of two, 256 KiB-16 MiB):
-    the shaped 1 Gbit/s link's measured 219 us and 0.37 GB/s give 1 MiB pieces; the option
-    wins over the link; unmeasured, 4 MiB."""
-    from hetccl_ray.core import planner as pl
-
-    assert costs.LinkCosts(219e-6, 0.37e9).piece_bytes() == 1 << 20  # 1.30 MB
-    assert costs.LinkCosts(150e-6, 1.5e9).piece_bytes() == 4 << 20  # 3.6 MB
-    assert costs.LinkCosts(1e-6, 1e8).piece_bytes() == 256 << 10 and costs.LinkCosts(1e-2, 1e10).piece_bytes() == 16 << 20
-    assert pl.Planner(TWO_BY_TWO).piece_bytes == 4 << 20
-    assert pl.Planner(TWO_BY_TWO, piece_option=4096).piece_bytes == 4096

@@ -20,7 +20,6 @@ Pure: imports no Ray.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -33,10 +32,6 @@ _RATE_RANGE = (10e6, 10e9)  # bytes/s a noisy probe may report; outside it the s
 # project's 2-core loopback runs (2x2, 1-16 MiB), their time per byte is 1.8x what the
 # buffers moved by their busiest rank alone predict (RESULTS.md, "Where the time goes").
 PLAN_SOFTWARE = 1.8
-PIECE_BYTES = 4 << 20  # the pieces plans pipeline in where the link was not measured
-# A piece's border stage takes this many hop times of bytes, so the per-message cost stays a
-# small part of it; clamped, a power of two
-PIECE_HOPS, PIECE_RANGE = 16, (256 << 10, 16 << 20)
 
 
 @dataclass(frozen=True)
@@ -48,12 +43,6 @@ class LinkCosts:
 
     def describe(self) -> str:
         return f"hop {self.hop_s * 1e6:.0f} us, {self.bytes_per_s / 1e9:.2f} GB/s per rank"
-
-    def piece_bytes(self) -> int:
-        """The piece size of plans over this link: ``PIECE_HOPS`` hop times of bytes (the power
-        of two nearest it, within ``PIECE_RANGE``)."""
-        raw = min(max(PIECE_HOPS * self.hop_s * self.bytes_per_s, PIECE_RANGE[0]), PIECE_RANGE[1])
-        return 1 << round(math.log2(raw))
 
 
 def _shape(op: str, topo: Topology) -> tuple[int, float, float]:

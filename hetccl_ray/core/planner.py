@@ -109,11 +109,6 @@ class Planner:
     rank: int = 0  # whose choices these are
     routed: frozenset[int] = frozenset()  # peers reached over a border of their own (RDMA)
     one_host: Optional[OneHost] = None  # the shared-memory library, where every rank shares this host
-    piece_option: Optional[int] = None  # the ``piece_bytes`` option; None: from the measured link
-    piece_bytes: int = costs.PIECE_BYTES  # the pieces plans pipeline in
-
-    def __post_init__(self) -> None:
-        self.piece_bytes = self.piece_option or self.piece_bytes
 
     def choose(self, op: Op, host: bool, agreed: bool) -> Choice:
         """How ``op`` runs, from what every rank knows alike: the call, the topology, the
@@ -224,9 +219,7 @@ class Planner:
         unmeasured = "one host, not measured" if self.shared_memory else "small_bytes option"
         measured = self.link.describe() if self.link else unmeasured
         hops = "one hop" if self.one_hop else "three hops"
-        given = "the piece_bytes option" if self.piece_option else "from the link" if self.link else "the default"
-        lines = [f"cost model: {measured}; pieces of {self.piece_bytes:,} B ({given})",
-                 f"small-message round ({hops}) for: {limits}"]
+        lines = [f"cost model: {measured}", f"small-message round ({hops}) for: {limits}"]
         if self.flat:
             sizes = ", ".join(f"{op} >= {size:,.0f} B" for op, size in self.flat_from.items() if size < math.inf)
             sizes += f" (up to {self.flat_until:,.0f} B)" if sizes and self.flat_until < math.inf else ""
@@ -271,14 +264,13 @@ def _probes(broadcasts: list[Callable[[torch.Tensor], None]], rounds: int) -> li
 
 
 def shared_memory(topology: Topology, check_calls: bool = True, strict: bool = False, rank: int = 0,
-                  routed: frozenset[int] = frozenset(), one_host: Optional[OneHost] = None,
-                  piece_option: Optional[int] = None) -> Planner:
+                  routed: frozenset[int] = frozenset(), one_host: Optional[OneHost] = None) -> Planner:
     """The plan choice of a group on one host (shm.py, ``one_host``): no round, the flat plan at
     every size for CPU tensors (no socket is faster than shared memory), the hierarchical one
     for devices."""
     return Planner(topology, dict.fromkeys(costs.OPS, -1), True, dict.fromkeys(costs.OPS, 0.0),
                    shared_memory=True, check_calls=check_calls, strict=strict, rank=rank, routed=routed,
-                   one_host=one_host, piece_option=piece_option)
+                   one_host=one_host)
 
 
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
@@ -321,7 +313,6 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     synchronize(agreed)  # an emulated device lands it later
     values = agreed.tolist()
     planner.link = costs.LinkCosts(values[0], 1 / values[1])
-    planner.piece_bytes = planner.piece_option or planner.link.piece_bytes()  # before the races: they time it
     if len(values) > 2:
         planner.flat_link = costs.LinkCosts(values[2], 1 / values[3])
     sizes = _ladder(topology, planner.link, values[4] if len(values) > 2 else None, planner.one_hop)

@@ -132,11 +132,11 @@ class HetCCLGroup(BaseGroup):
         self._shared = self._flat if isinstance(self._flat, shm.ShmLibrary) else None
         if self._shared is not None:  # one host: every call checked and CPU data moved in shared memory
             self.planner = planner.shared_memory(self.topology, self.options.check_calls, self.options.strict,
-                                                 self.rank, self._routed, self._shared, self.options.piece_bytes)
+                                                 self.rank, self._routed, self._shared)
             return
         self.planner = planner.Planner(self.topology, one_hop=self.options.one_hop,
                                        check_calls=self.options.check_calls, strict=self.options.strict,
-                                       rank=self.rank, routed=self._routed, piece_option=self.options.piece_bytes)
+                                       rank=self.rank, routed=self._routed)
         planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
                           (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
                           self.barrier, self.broadcast,
@@ -287,7 +287,7 @@ class HetCCLGroup(BaseGroup):
             stream = self._stream_of(device)
             ctx = PlanContext(self.topology, self.rank, collectives.LazyIsland(lambda: self._island_for(device)),
                               self.border, call.tag(), time.monotonic() + self.options.timeout_s, self._scratch,
-                              self._pipeline, self.planner.piece_bytes, self.border.default, device, stream,
+                              self._pipeline, self.options.piece_bytes, self.border.default, device, stream,
                               shared=self._shared, one_hop=self.planner.one_hop)
             try:
                 with device.ordered(stream):

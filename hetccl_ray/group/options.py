@@ -27,9 +27,8 @@ class GroupOptions:
     islands: group rank -> island name, overriding labels (``HETCCL_ISLAND`` per process).
     max_lanes: cap on cross-island lanes (``HETCCL_MAX_LANES``).
     bind_host: address border listeners bind to (``HETCCL_BIND_HOST``; default node IP).
-    piece_bytes: plans go in pieces of this size, the border stage of one piece overlapping
-        the island stages of the next (``HETCCL_PIECE_BYTES``; default: from the link measured
-        at formation, 16 hop times of bytes, else 4 MiB).
+    piece_bytes: large allreduces go in pieces of this size, border stage of one piece
+        overlapping the island stages of the next (``HETCCL_PIECE_BYTES``).
     transport: "auto" (RDMA to a peer when both ends have a usable port, else TCP), "tcp" or
         "rdma" (an error where an end has no RDMA port) (``HETCCL_TRANSPORT``).
     check_calls: before a large collective, ranks compare what they called (op, dtype,
@@ -64,7 +63,7 @@ class GroupOptions:
     max_lanes: Optional[int] = field(default_factory=lambda: int(os.environ["HETCCL_MAX_LANES"])
                                      if os.environ.get("HETCCL_MAX_LANES") else None)
     bind_host: Optional[str] = field(default_factory=lambda: os.environ.get("HETCCL_BIND_HOST") or None)
-    piece_bytes: Optional[int] = field(default_factory=lambda: int(_env_float("HETCCL_PIECE_BYTES", 0)) or None)
+    piece_bytes: int = field(default_factory=lambda: int(_env_float("HETCCL_PIECE_BYTES", 4 << 20)))
     transport: str = field(default_factory=lambda: os.environ.get("HETCCL_TRANSPORT") or "auto")
     check_calls: bool = field(default_factory=lambda: os.environ.get("HETCCL_CHECK_CALLS", "1") != "0")
     strict: bool = field(default_factory=lambda: os.environ.get("HETCCL_STRICT", "0") not in ("", "0"))
@@ -78,7 +77,7 @@ class GroupOptions:
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.piece_bytes is not None and self.piece_bytes < 1:
+        if self.piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {self.piece_bytes}")
         if self.small_bytes is not None and self.small_bytes < 0:
             raise ValueError(f"small_bytes must be >= 0, got {self.small_bytes}")
