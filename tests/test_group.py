@@ -511,6 +511,16 @@ def test_flat_groups_use_the_library_they_name(actors):
         assert all(any(library in line for line in rank_lines) for rank_lines in lines), (name, lines)
 
 
+def test_an_island_on_one_host_steps_in_shared_memory_unless_same_host_is_off(actors):
+    """Every island of these groups shares one host: CPU island steps take shared memory, and
+    Gloo with ``same_host`` off (the sweeps above check both give numpy's values)."""
+    for name, library in (("three", "shared memory"), ("two", "shared memory"), ("two-tcp", "gloo")):
+        lines = on_all(actors, name, lambda n, rank, world: hetccl_ray.get_group(n).cost_model()[-1])
+        sizes = [line.split("(")[1].split(" ")[0] for line in lines]
+        assert all(line.endswith(f"{library if size != '1' else 'one rank'} for CPU tensors")
+                   for line, size in zip(lines, sizes)), (name, lines)
+
+
 def test_one_island_costs_no_border_traffic(actors):
     stats = on_all(actors, "one", lambda name, rank, world: hetccl_ray.border_stats(name))
     assert all(s["bytes_sent"] == 0 and s["bytes_received"] == 0 for s in stats)

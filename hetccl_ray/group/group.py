@@ -184,8 +184,11 @@ class HetCCLGroup(BaseGroup):
         return self.planner.plan_of(op, nbytes, every_rank_on_host, self.options.check_calls, peer)
 
     def cost_model(self) -> list[str]:
-        """The link costs and the plan each op takes by size, as lines for a header."""
-        return self.planner.describe()
+        """The link costs, the plan each op takes by size and this island's library for CPU
+        tensors, as lines for a header."""
+        island = self.island
+        return [*self.planner.describe(),
+                f"island {island.name} ({island.size} rank(s)): {self._island_for(devices.HOST).library} for CPU tensors"]
 
     def __repr__(self) -> str:
         return (f"HetCCLGroup(name={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "

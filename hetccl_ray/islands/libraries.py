@@ -36,6 +36,7 @@ class IslandComm(Protocol):
 
     rank: int
     size: int
+    library: str  # the library's name, for the bench header
 
     def allreduce(self, buf: torch.Tensor, op: str) -> None: ...
     def reduce_scatter(self, buf: torch.Tensor, counts: Sequence[int], op: str) -> None:
@@ -72,7 +73,7 @@ def _pieces(count: int, step: int) -> list[tuple[int, int]]:
 class SoloIsland:
     """An island of one rank: every collective is the identity."""
 
-    rank, size = 0, 1
+    rank, size, library = 0, 1, "one rank"
 
     def allreduce(self, buf: torch.Tensor, op: str) -> None:
         return None
@@ -120,6 +121,11 @@ class TorchIsland:
         self.pg, self.rank, self.size = pg, rank, size
         self.native, self.timeout_s = native, timeout_s
         self._scratch = ScratchPool()
+
+    @property
+    def library(self) -> str:
+        """The vendor library's name (gloo, nccl, ...)."""
+        return self.pg.name()
 
     def _done(self, work: "dist.Work") -> None:
         """Wait for a library op. The library says a wait timed out only in its message (Gloo

@@ -120,6 +120,8 @@ class ShmLibrary:
     a common file. ``row_width``: the most ints a call row holds. The flat library of a group
     on one host, and the island library of host memory for an island on one host."""
 
+    library = "shared memory"
+
     def __init__(self, prefix: str, control: np.ndarray, rank: int, size: int, row_width: int,
                  timeout_s: float, gone: Callable[[int], bool], names: Sequence[int],
                  pids: Optional[list[int]]) -> None:
