@@ -41,5 +41,6 @@ def test_misuse_is_a_clear_error_on_every_rank(ranks):
         assert "cannot give each of 3 ranks a sample" in out["small batch"]
         assert "sum to 3, the global batch is 10" in out["bad sum"]
         assert "balance='fastest'" in out["bad mode"]
+        assert out["never re-balance"] == "ValueError: rebalance every 0 steps: must be at least 1"  # not the default
         assert out["untimed auto step"].startswith("RuntimeError: Balancer.step(): no compute was timed")
         assert "ranks passed different shares: rank 0: [4, 4, 4]; rank 1: [5, 4, 3]; rank 2: [6, 4, 2]" in out["shares differ"]

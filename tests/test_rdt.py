@@ -84,8 +84,8 @@ class Peer:
         return obj.device.type, as_numpy({"x": obj})["x"]
 
     def direct_counts(self) -> tuple[int, int, int, int]:
-        border = hetccl_ray.get_group(GROUP).direct.border
-        return border.bytes_sent, border.wire_bytes_sent, border.bytes_received, border.wire_bytes_received
+        direct = hetccl_ray.border_stats(GROUP)["direct"]  # the direct transfers' own channel, apart from the ops'
+        return direct["bytes_sent"], direct["wire_bytes_sent"], direct["bytes_received"], direct["wire_bytes_received"]
 
     def held(self) -> int:
         return rdt.manager().pending()

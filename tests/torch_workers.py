@@ -331,6 +331,7 @@ def balanced_misuse(rank: int, world: int) -> dict[str, str]:
         "small batch": lambda: Balancer(world - 1),
         "bad sum": lambda: Balancer(10, shares=[1] * world),
         "bad mode": lambda: Balancer(10, balance_mode="fastest"),
+        "never re-balance": lambda: Balancer(10, every=0),
         "untimed auto step": lambda: Balancer(10, balance_mode="auto").step(),
         "shares differ": lambda: Balancer(12, balance_mode="even").set_shares([4 + rank, 4, 4 - rank]),
     }.items():

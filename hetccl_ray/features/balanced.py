@@ -68,7 +68,7 @@ class Balancer:
         _check_mode(balance_mode)
         self.mode = balance_mode or _configured.get("mode") or "auto"
         default = balance.Policy()
-        self.policy = balance.Policy(every or _configured.get("every", default.every),
+        self.policy = balance.Policy(_configured.get("every", default.every) if every is None else every,
                                      _configured.get("margin", default.margin) if margin is None else margin)
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)

@@ -244,8 +244,11 @@ class HetCCLGroup(BaseGroup):
     def border_stats(self) -> dict[str, Any]:
         """Bytes this rank sent/received over the border, in all and per op, and on the wire
         (fewer where compressed); each link's compression choice, ratio and measured speeds;
-        the transport to each lane peer; how GPU tensors reach an RDMA NIC."""
+        the transport to each lane peer; how GPU tensors reach an RDMA NIC. ``direct``: what the
+        group's direct transfers (Ray Direct Transport, the bridge) moved on their own channel,
+        outside the ops and the counters above."""
         sent, received, wire_sent, wire_received = self._probe_bytes  # formation's probes aren't the user's
+        direct = self.direct.border
         return {"bytes_sent": self.border.bytes_sent - sent,
                 "bytes_received": self.border.bytes_received - received,
                 "wire_bytes_sent": self.border.wire_bytes_sent - wire_sent,
@@ -255,7 +258,10 @@ class HetCCLGroup(BaseGroup):
                 "messages_sent": self.border.messages_sent - self._probe_messages,
                 "rejected_connections": self.border.rejected,
                 "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()},
-                "gpu_memory": verbs.gpu_memory_path()}
+                "gpu_memory": verbs.gpu_memory_path(),
+                "direct": {"bytes_sent": direct.bytes_sent, "bytes_received": direct.bytes_received,
+                           "wire_bytes_sent": direct.wire_bytes_sent, "wire_bytes_received": direct.wire_bytes_received,
+                           "messages_sent": direct.messages_sent}}
 
     # -- the one wrapper every op goes through ---------------------------------------------------
 
