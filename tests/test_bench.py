@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -9,7 +10,9 @@ import nbformat
 import numpy as np
 import pandas as pd
 import pytest
+import ray
 from nbclient import NotebookClient
+from ray._common.utils import get_ray_address_file
 
 from hetccl_ray.tools import bench
 from hetccl_ray.tools.local_cluster import island_names, parse_layout
@@ -108,8 +111,13 @@ def test_shaped_link_limits_the_border_and_cleans_up():
     except ShapedClusterUnavailable as why:
         pytest.skip(f"needs root and iproute2 network namespaces: {why}")
     islands = island_names([1, 1])
+    pointer = get_ray_address_file(None)  # Ray's "current cluster" file: `ray start --head` writes it
+    found = open(pointer).read() if os.path.exists(pointer) else None
+    if found is not None:
+        os.remove(pointer)
     cluster = ShapedCluster(islands, "200mbit")
     with cluster:
+        assert open(pointer).read().strip() == cluster.address
         names = list(cluster.namespaces)
         assert all(name in _namespaces() for name in names)
         spec = bench.BenchSpec(["allreduce"], [4 << 20], iters=2, warmup=0, compress=("off",))  # the raw link
@@ -118,6 +126,32 @@ def test_shaped_link_limits_the_border_and_cleans_up():
     physical_s = (4 << 20) * 8 / 200e6   # S bytes each way over a 200 Mbit/s link
     assert frame["time_us"].iloc[0] / 1e6 >= 0.9 * physical_s
     assert not any(name in _namespaces() for name in names)
+    assert not os.path.exists(pointer)  # as found: a plain ray.init() starts its own cluster
+    try:
+        ray.init(num_cpus=1)
+        assert ray.get(ray.put(7)) == 7
+    finally:
+        ray.shutdown()
+        if found is not None:
+            with open(pointer, "w") as f:
+                f.write(found)
+
+
+def test_a_shaped_cluster_puts_back_the_current_cluster_it_found(tmp_path):
+    """Ray's pointer is put back where the shaped cluster overwrote one, removed where there
+    was none, and left alone where another cluster wrote it since."""
+    from hetccl_ray.tools.shaped_cluster import restore_pointer
+
+    pointer = tmp_path / "ray_current_cluster"
+    pointer.write_text("10.213.5.1:6379")
+    restore_pointer(str(pointer), "127.0.0.1:6379", "10.213.5.1:6379")
+    assert pointer.read_text() == "127.0.0.1:6379"
+    pointer.write_text("10.213.5.1:6379")
+    restore_pointer(str(pointer), None, "10.213.5.1:6379")
+    assert not pointer.exists()
+    pointer.write_text("10.0.0.9:6379")  # another cluster's since
+    restore_pointer(str(pointer), None, "10.213.5.1:6379")
+    assert pointer.read_text() == "10.0.0.9:6379"
 
 
 def test_on_a_delayed_border_both_rounds_are_right(monkeypatch):

@@ -6,7 +6,9 @@ every veth, so traffic between islands goes at ``rate`` while traffic inside an 
 than its intra-vendor ones; with ``delay``, ``tc netem`` also holds every packet that long
 each way (a border between buildings or regions). Needs root and iproute2 (``ip``, ``tc``).
 Only the processes it started are stopped (by process group), and its namespaces, veths and
-bridge are always removed. Traffic stays inside these namespaces and the bridge.
+bridge are always removed; Ray's "current cluster" file, which ``ray start --head`` points
+at the new head, is left as it was found (as ``ray stop`` does), so a plain ``ray.init()``
+afterwards starts a cluster of its own. Traffic stays inside these namespaces and the bridge.
 
     python -m hetccl_ray.tools.shaped_cluster --layout 2x2 --rate 1gbit   # stand one up, print it
 """
@@ -26,12 +28,33 @@ import time
 from typing import Optional, Sequence
 
 import ray
+from ray._common.utils import get_ray_address_file  # the "current cluster" file `ray start` writes
 
 from hetccl_ray.tools.local_cluster import REPO, island_names, parse_layout, place_workers
 from hetccl_ray.core.topology import ISLAND_LABEL
 
 SUBNET = "10.213"  # addresses of this machine's own test namespaces only
 _STARTED = itertools.count()  # clusters this process has made (a deleted veth can linger a moment)
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def restore_pointer(path: str, found: Optional[str], ours: str) -> None:
+    """Leave Ray's "current cluster" file ``path`` as a cluster at ``ours`` found it
+    (``found``: its text then, None for no file), unless it names another cluster by now."""
+    if _read(path) != ours:
+        return
+    if found is None:
+        os.remove(path)
+        return
+    with open(path, "w") as f:
+        f.write(found)
 
 
 class ShapedClusterUnavailable(RuntimeError):
@@ -82,6 +105,8 @@ class ShapedCluster:
         self._procs: list[subprocess.Popen] = []
         self._made: list[tuple[str, ...]] = []
         self.logdir = tempfile.mkdtemp(prefix="hetccl-shaped-")
+        self._pointer = get_ray_address_file(None)
+        self._found = _read(self._pointer)  # what `ray start --head` overwrites, put back on exit
 
     def island_ip(self, index: int) -> str:
         return f"{self.net}.{10 + index}"
@@ -185,6 +210,8 @@ class ShapedCluster:
         for cmd in reversed(self._made):
             subprocess.run(cmd, capture_output=True)
         self._made.clear()
+        if self.address is not None:
+            restore_pointer(self._pointer, self._found, self.address)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
