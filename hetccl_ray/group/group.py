@@ -218,12 +218,17 @@ class HetCCLGroup(BaseGroup):
         """This rank's island communicator for buffers on ``device`` (made on first use: every
         island rank makes it at the same op, since ranks of one island agree on the device):
         host memory of an island whose ranks share a host in shared memory (shm.py), else the
-        device's library."""
+        device's library. Shared memory only where every island op follows a check that agreed
+        the calls (several islands, calls checked): its steps cannot tell two different calls
+        apart, where the vendor library waits for the other until the deadline, which then
+        names them."""
         if device.kind not in self._islands:
             island, rank, name = self.island, self.topology.local_rank(self.rank), f"{self.island.name}/{device.kind}"
+            checked = self.options.check_calls and len(self.topology.islands) > 1
             shared = (shm.ShmLibrary.create(self._store_of(f"{name}/shm"), rank, island.size, 1, self.options.timeout_s,
                                             self.border.gone, island.ranks, pull=False)
-                      if device.shares_host_memory and island.size > 1 and self.options.same_host else None)
+                      if device.shares_host_memory and island.size > 1 and self.options.same_host and checked
+                      else None)
             self._islands[device.kind] = shared or self._library(device, name, rank, island.size)
         return self._islands[device.kind]
 
