@@ -1,4 +1,4 @@
-"""Balanced data parallel training over hetccl (collective/balanced.py): exact gradients with
+"""Balanced data parallel training over hetccl (features/balanced.py): exact gradients with
 unequal shares, in spawned torch.distributed ranks on two islands; the Ray Train door with a
 simulated slow island is in test_train.py."""
 

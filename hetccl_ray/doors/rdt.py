@@ -2,7 +2,7 @@
 
 A method so marked returns tensors (one, a list, a dict such as a state dict) that stay on
 its actor; a task of another actor that takes the ref receives them over the hetccl group
-both actors belong to, through the group's direct channel (``collective/direct.py``), never
+both actors belong to, through the group's direct channel (``transport/direct.py``), never
 through the object store. An AMD actor receives what an NVIDIA actor made and the reverse
 (both are ``cuda`` to torch); an actor without a GPU receives a GPU tensor in host memory.
 Across islands the bytes are compressed as the group's border compresses them.

@@ -8,7 +8,7 @@
 Islands come from the labels of the nodes the workers land on; inside ``train_fn``,
 ``torch.distributed`` (DDP, FSDP) runs over hetccl unchanged. ``balance="auto"`` makes the
 ``Balancer`` that ``train_fn`` creates size each rank's batch from its measured speed
-(collective/balanced.py); ``balance="even"`` keeps plain DDP's split with the same code.
+(features/balanced.py); ``balance="even"`` keeps plain DDP's split with the same code.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Routes are data (:func:`routes`, pure): every hop of the forward pass as (source
 destination rank, what). A piece crosses into each destination island once: a replicated
 destination takes it at one landing rank per island, which hands it on inside the island;
 the backward pass sums those members' gradients at the landing and sends the sum back
-once. Messages go over the group's direct-transfer channel (``collective/direct.py``),
+once. Messages go over the group's direct-transfer channel (``transport/direct.py``),
 shapes as control bytes ahead of the data, so shapes may change every step with no extra
 round; sends leave on a thread of the bridge so a source computes its next microbatch while
 its last one crosses.

@@ -40,7 +40,7 @@ class Formed:
     rendezvous: Rendezvous
     store: Optional[dist.Store]
     store_address: tuple[str, int]
-    direct: TcpBorder  # direct transfers (collective/direct.py): links dialled at first use
+    direct: TcpBorder  # direct transfers (transport/direct.py): links dialled at first use
     one_host: bool  # every rank shares this host and network namespace (and same-host paths are on)
 
 
