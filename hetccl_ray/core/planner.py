@@ -126,12 +126,12 @@ class Planner:
           the barrier, which it is, and for an op on a class not yet agreed in one island;
           otherwise unless ``check_calls`` is off), then the plan: flat where the planner
           chose it and the rows show host memory on every rank, else hierarchical."""
+        if op.peer is not None:
+            return self.message(op, host)  # posted or not: a batch's caller asks message()
         call, topo = op.call, self.topology
         row = kind(call.op)
         plan = (self.plan_of(call.op, row.whole_bytes(call.numel * call.dtype.itemsize, topo.world_size),
                              checked=self.check_calls) if row.round else None)
-        if op.peer is not None:
-            return self.message(op, host)  # posted or not: a batch's caller asks message()
         if topo.world_size == 1:
             return Choice(DIRECT, plan, host_path=host)
         one_island, small = len(topo.islands) == 1, plan in (ROUND, TWO_HOP)

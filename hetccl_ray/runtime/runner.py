@@ -189,8 +189,7 @@ class _Buffers:
         return view(self.held[name], span)
 
     def ref(self, ref: Ref) -> torch.Tensor:
-        name, offset, n = ref
-        return self.held[name][offset:offset + n]
+        return self.of(ref[0], ref[1:])
 
     def moved(self, moves: Sequence[Move]) -> list[tuple[int, torch.Tensor]]:
         """Each move's peer and view."""

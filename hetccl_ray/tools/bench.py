@@ -38,8 +38,7 @@ from hetccl_ray.transport.compress.policy import MODES as COMPRESS_MODES
 from hetccl_ray.tools.local_cluster import LocalCluster, island_names, parse_layout, place_workers
 from hetccl_ray.transport.choice import TRANSPORTS
 from hetccl_ray.core.topology import ISLAND_LABEL, Topology
-from hetccl_ray.tools import show_plan
-from hetccl_ray.tools.show_plan import explain, parse_size
+from hetccl_ray.tools.show_plan import OPS as PLANNED_OPS, explain, parse_size
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 ITERS = 5
@@ -587,7 +586,7 @@ def _explain(spec: BenchSpec, islands: list[str]) -> pd.DataFrame:
     itemsize = torch.tensor([], dtype=getattr(torch, spec.dtype)).element_size()
     for op in spec.ops:
         for size in spec.sizes:
-            print("\n".join(explain(topo, op, size, itemsize)) if op in show_plan.OPS
+            print("\n".join(explain(topo, op, size, itemsize)) if op in PLANNED_OPS
                   else f"{op} of {size:,} B: no plan (point to point)", end="\n\n")
     return pd.DataFrame()
 
