@@ -200,6 +200,8 @@ def test_a_dead_sender_fails_the_receiver_at_once(peers):
     ref = sender.state.remote(40)
     ray.get(sender.ready.remote())
     ray.kill(sender)
+    with pytest.raises(ray.exceptions.RayActorError):  # ray.kill returns at once: the sender is dead once this raises
+        ray.get(sender.ready.remote(), timeout=30)
     started = time.monotonic()
     with pytest.raises(Exception) as failed:
         ray.get(receiver.take.remote(ref), timeout=90)
