@@ -171,3 +171,92 @@ def test_training_through_the_bridge_equals_one_process(ranks, case):
         assert crossing == (0 if case.startswith("colocated") else 2 * activations), crossing  # there and back
         weights = {name: {k: v - LR * want_grads[f"{name}.{k}"] for k, v in weights[name].items()}
                    for name in ("enc", "lm")}
+
+
+# -- backward in any order ------------------------------------------------------------------------
+
+MICRO = 3  # microbatches per step
+
+
+def _in_order(order: str, n: int, rank: int) -> list[int]:
+    """The order a rank backpropagates its ``n`` microbatches in (each rank its own shuffle)."""
+    if order == "reversed":
+        return list(range(n))[::-1]
+    if order == "by rank":  # even ranks in forward order, odd ones reversed
+        return list(range(n))[::1 - 2 * (rank % 2)]
+    if order == "shuffled":
+        return torch.randperm(n, generator=torch.Generator().manual_seed(rank + 1)).tolist()
+    return list(range(n))
+
+
+def microbatch_step(case: str, weights: dict, step: int, orders: dict) -> dict:
+    """One rank's step of MICRO microbatches; destination ranks backpropagate them in
+    ``orders["dst"]`` ("sum": one backward of the summed losses, autograd's own order, last
+    call first), source ranks their anchors in ``orders["src"]``."""
+    src, dst = PLACEMENTS[case]
+    group = hetccl_ray.get_group(orders.get("group", GROUP))
+    cache = globals().setdefault("_bridges", {})
+    bridge = cache.setdefault(("micro", case, group.group_name), Bridge(group, src, dst, name=f"micro {case}"))
+    enc, lm = models(weights)
+    here_src, here_dst = src.place(group.rank), dst.place(group.rank)
+    outs = []
+    for m in range(MICRO if here_src or here_dst else 0):  # a rank of neither module (fan-out) waits
+        chunks = images(src.dp, step * MICRO + m)
+        total = sum(c.numel() for c in chunks) // 8 * 5
+        out = bridge(enc(chunks[here_src[0]]) if here_src else None)
+        scale = 1 if dst.split == SEQUENCE else dst.members
+        outs.append(loss_of(lm(out), total) / scale if here_dst else out)
+    order = orders["dst" if here_dst else "src"]
+    if order == "sum" and outs:
+        sum(outs).backward()
+    else:
+        for m in _in_order(order, len(outs), group.rank):
+            outs[m].backward()
+    bridge.flush()
+    grads = {f"{name}.{k}": p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+             for name, m in (("enc", enc), ("lm", lm)) for k, p in m.named_parameters()}
+    return {"loss": sum(outs).item() if here_dst else 0.0, "grads": grads}
+
+
+@pytest.mark.parametrize("case,dst_order,src_order", [
+    ("equal", "sum", "shuffled"),
+    ("fan-in to replicas", "shuffled", "forward"),  # the landing rank and its replica in orders of their own
+    ("sequence", "forward", "reversed"),
+    ("fan-out", "sum", "sum"),
+    ("colocated fan-in", "sum", "sum"),  # a rank that is both ends runs one order for both
+])
+def test_backward_may_run_in_any_order_on_either_side(ranks, case, dst_order, src_order):
+    """``sum(losses).backward()`` on the destination (autograd runs the last call's node
+    first) and anchors in any order on the source give the one-process gradients, with the
+    same bytes across."""
+    src, dst = PLACEMENTS[case]
+    enc, lm = models()
+    weights = {"enc": enc.state_dict(), "lm": lm.state_dict()}
+    for step in range(2):
+        results = ray.get([a.call.remote(microbatch_step, case, weights, step, {"dst": dst_order, "src": src_order})
+                           for a in ranks], timeout=120)
+        want_loss, want_grads = 0.0, {}
+        for m in range(MICRO):
+            loss, grads = reference(weights, src.dp, step * MICRO + m)
+            want_loss += loss
+            want_grads = {k: want_grads.get(k, 0) + g for k, g in grads.items()}
+        np.testing.assert_allclose(sum(r["loss"] for r in results), want_loss, rtol=1e-5)
+        for key, want in want_grads.items():
+            got = sum(r["grads"][key] for r in results)
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7, err_msg=f"{case}: {key}")
+        weights = {name: {k: v - LR * want_grads[f"{name}.{k}"] for k, v in weights[name].items()}
+                   for name in ("enc", "lm")}
+
+
+def test_a_rank_that_is_both_ends_and_disagrees_on_the_order_is_told_the_rule(ranks):
+    """Colocated ranks whose backward orders differ wait for each other (each is inside one
+    call's node): the deadline's error names the rule and both orders seen."""
+    hetccl_ray.create_collective_group(ranks, 4, [0, 1, 2, 3], group_name="bridge-short", timeout_s=3, flat="off")
+    orders = {"dst": "by rank", "src": "by rank", "group": "bridge-short"}
+    with pytest.raises(ray.exceptions.RayTaskError) as caught:
+        ray.get([a.call.remote(microbatch_step, "colocated fan-in", {"enc": models()[0].state_dict(),
+                                                                     "lm": models()[1].state_dict()}, 0, orders)
+                 for a in ranks], timeout=120)
+    message = str(caught.value)
+    assert "a rank at both ends of a bridge waits inside one call's backward" in message, message
+    assert "asked for gradients of calls [1]" in message or "asked for gradients of calls [3]" in message, message

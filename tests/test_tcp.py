@@ -12,7 +12,7 @@ import torch
 
 from hetccl_ray.tools.benchdata import gradients
 from hetccl_ray.transport.compress.frames import FRAME_BYTES, Encoder
-from hetccl_ray.errors import HetCCLPeerError
+from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError
 from hetccl_ray.transport.base import Tag
 from hetccl_ray.transport.tcp import TcpBorder, dial
 
@@ -108,6 +108,22 @@ def test_a_corrupt_frame_is_an_error_naming_the_peer(pair, monkeypatch):
     assert torch.equal(out, torch.full_like(x, 7.0))
     with pytest.raises(HetCCLPeerError, match="rank 0 <-> rank 1 failed: connection closed"):
         pair[0].irecv(1, out, Tag(1, 2, 0)).wait(5)  # the sender hears at once, not at its deadline
+
+
+def test_a_receive_with_free_bits_takes_the_next_message_of_its_family_and_says_which(pair):
+    """``free_bits``: the sequence number may differ in those bits only (the bridge's receive
+    of whichever call a peer backpropagated first); the tag the message carried is returned."""
+    family, other = 0x5 << 40, 0x6 << 40
+    x, out = torch.arange(4.0), torch.zeros(4)
+    sent = pair[0].isend(1, x, Tag(64, family | 0x2A, 0))  # rank 0 dials
+    received = pair[1].irecv(0, out, Tag(64, family, 0), free_bits=(1 << 40) - 1)
+    _both([received], [sent])
+    np.testing.assert_array_equal(out.numpy(), x.numpy())
+    assert received.tag == Tag(64, family | 0x2A, 0)
+    sent = pair[0].isend(1, x, Tag(64, other | 0x2A, 0))  # another family: a mismatch, named
+    received = pair[1].irecv(0, out, Tag(64, family, 0), free_bits=(1 << 40) - 1)
+    with pytest.raises(HetCCLMismatchError, match="expected Tag.*got Tag"):
+        _both([received], [sent])
 
 
 def _flood(address, count: int, held: list) -> None:

@@ -21,6 +21,7 @@ its last one crosses.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,9 +31,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hetccl_ray.memory import devices
-from hetccl_ray.errors import HetCCLInputError
+from hetccl_ray.errors import HetCCLError, HetCCLInputError
 
 REPLICATED, SEQUENCE = "replicated", "sequence"
+_KEY_SHIFT = 46  # a message's number: bridge key << 46 | call << 18 | hop << 1 | backward
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,8 @@ class Bridge:
     it, e.g. ``(loss + anchor).backward()`` or ``anchor.backward()``, waits for the gradient
     and carries it into ``x``); a destination rank passes None and gets its part in its
     layout, whose gradient goes back when the backward pass reaches it; a colocated rank
-    passes its chunk and gets its destination part."""
+    passes its chunk and gets its destination part. Backward may run the calls in any order
+    on either side (colocated ranks: one order on all of them)."""
 
     def __init__(self, group: Any, src: Layout, dst: Layout, name: str = "bridge",
                  device: Any = "cpu") -> None:
@@ -192,8 +195,11 @@ class Bridge:
         self.routes = routes(src, dst, islands)
         self.src, self.dst, self.rank, self.channel = src, dst, group.rank, group.direct
         digest = hashlib.sha256(repr((name, src, dst)).encode()).digest()
-        self._key = int.from_bytes(digest[:2], "big") << 46  # ranks that disagree on layouts mismatch tags
-        self._calls = 0
+        self._key = int.from_bytes(digest[:2], "big") << _KEY_SHIFT  # ranks that disagree on layouts mismatch tags
+        self.name, self._calls = name, 0
+        self._arrived: dict[int, torch.Tensor] = {}  # messages that came before this rank asked for them
+        self._asked: collections.deque = collections.deque(maxlen=16)  # messages asked for, and by whom sent:
+        self._came: collections.deque = collections.deque(maxlen=16)  # the orders an error names
         self._sender = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-bridge-{self.rank}")
         self._sent: list[Future] = []
 
@@ -235,7 +241,7 @@ class Bridge:
             if hop.src == self.rank:
                 self._send(have[hop.item], hop.dst, self._transfer(call, hop.index, 0))
             elif hop.dst == self.rank:
-                have[hop.item] = self.channel.recv_shaped(hop.src, self._transfer(call, hop.index, 0), self.device)
+                have[hop.item] = self._take(hop.src, self._transfer(call, hop.index, 0), self.device)
         shapes = {item: tuple(t.shape) for item, t in have.items()}
         mine = self._mine()
         if not mine:
@@ -257,7 +263,7 @@ class Bridge:
             if hop.dst == self.rank:
                 self._send(got.pop(hop.item), hop.src, transfer)
             elif hop.src == self.rank:
-                arrived = self.channel.recv_shaped(hop.dst, transfer, like.device if like is not None else self.device)
+                arrived = self._take(hop.dst, transfer, like.device if like is not None else self.device)
                 got[hop.item] = got[hop.item] + arrived if hop.item in got else arrived
         self._settle()
         source = self.src.place(self.rank)
@@ -275,6 +281,33 @@ class Bridge:
 
     def _transfer(self, call: int, hop: int, backward: int) -> int:
         return self._key | (call & 0xFFFFFFF) << 18 | hop << 1 | backward
+
+    def _take(self, peer: int, transfer: int, device: torch.device) -> torch.Tensor:
+        """Message ``transfer`` from ``peer``. A peer sends in the order its own passes run
+        (autograd may run backward in any order of the calls), so messages of this bridge
+        that come before this rank asks for them wait here."""
+        self._asked.append(transfer)
+        while transfer not in self._arrived:
+            try:
+                got, tensor = self.channel.recv_next_shaped(peer, transfer, (1 << _KEY_SHIFT) - 1, device)
+            except HetCCLError as exc:
+                raise type(exc)(self._unmet(peer, transfer, exc)) from exc
+            self._came.append((peer, got))
+            self._arrived[got] = tensor
+        return self._arrived.pop(transfer).to(device)
+
+    def _unmet(self, peer: int, transfer: int, exc: BaseException) -> str:
+        """Why a message did not come: the rule, and the orders of calls this rank asked for
+        and ``peer`` sent in that pass."""
+        backward = transfer & 1
+        asked = [_call(t) for t in self._asked if t & 1 == backward]
+        came = [_call(t) for p, t in self._came if p == peer and t & 1 == backward]
+        what = "gradient" if backward else "activation"
+        return (f"bridge '{self.name}': rank {self.rank} waited for the {what} of call {_call(transfer)} from rank "
+                f"{peer}. The rule: every call's output is backpropagated on its destination ranks, in any order, "
+                f"but a rank at both ends of a bridge waits inside one call's backward, so such ranks must run the "
+                f"calls in one order (and forward calls are made in one order everywhere). This rank asked for "
+                f"{what}s of calls {asked}; rank {peer} sent calls {came}. {exc}")
 
     def _send(self, tensor: torch.Tensor, peer: int, transfer: int) -> None:
         """Send on the bridge's thread, once the work that made ``tensor`` on this thread's
@@ -298,6 +331,11 @@ class Bridge:
             else:
                 pending.append(future)
         self._sent = pending
+
+
+def _call(transfer: int) -> int:
+    """The call a bridge message belongs to, by its number."""
+    return transfer >> 18 & 0xFFFFFFF
 
 
 class _Bridged(torch.autograd.Function):

@@ -31,6 +31,12 @@ def parse_header(raw: bytes) -> tuple[Tag, int, int, bool]:
     return Tag(op, seq, dtype), nbytes, extra, framed
 
 
+def matches(got: Tag, want: Tag, free_bits: int = 0) -> bool:
+    """Whether a message of tag ``got`` is the one a receive of ``want`` takes: the same tag,
+    but for the bits of the sequence number in ``free_bits``."""
+    return got.op == want.op and got.dtype == want.dtype and not (got.seq ^ want.seq) & ~free_bits
+
+
 def mismatch(receiver: int, expected: Tag, nbytes: int, sender: int, got: Tag, got_bytes: int) -> HetCCLMismatchError:
     """The error of a message that is not the one its receiver posted for."""
     return HetCCLMismatchError(f"rank {receiver} expected {expected} with {nbytes} bytes from rank {sender}, "
@@ -92,6 +98,7 @@ class Handle:
         self.peer = peer
         self.kind = kind
         self.extra = b""  # control bytes that came with a received message
+        self.tag: Optional[Tag] = None  # the tag a received message carried
         self.spill: Optional[bytearray] = None  # a flexible receive's payload of an unexpected size
         self._done = self.signal()
         self._error: Optional[BaseException] = None

@@ -62,12 +62,20 @@ class DirectChannel:
     def recv_shaped(self, peer: int, transfer: int, device: torch.device) -> torch.Tensor:
         """Counterpart of :meth:`send_shaped`: a new tensor of the sender's shape and dtype on
         ``device``."""
-        (header,) = self._run("recv", [(0, _NO_PAYLOAD, b"")], peer, transfer)
+        return self.recv_next_shaped(peer, transfer, 0, device)[1]
+
+    def recv_next_shaped(self, peer: int, transfer: int, free_bits: int,
+                         device: torch.device) -> tuple[int, torch.Tensor]:
+        """The next shaped transfer from ``peer`` whose number is ``transfer`` but for the bits in
+        ``free_bits`` (senders that number their transfers in an order of their own): its
+        number and its tensor, on ``device``."""
+        (header,) = self._run("recv", [(0, _NO_PAYLOAD, b"")], peer, transfer, free_bits)
+        transfer = header.tag.seq
         dtype, ndim, *dims = _SHAPE.unpack(header.extra)
         out = torch.empty(dims[:ndim], dtype=_DTYPES[dtype], device=device)
         self._run("recv", _messages([out], first=1), peer, transfer)
         _visible([out], self.timeout_s)
-        return out
+        return transfer, out
 
     def abort(self, peer: int, transfer: int, why: str) -> None:
         """Fail transfer ``transfer`` with ``peer`` now, whether its side here is waiting (the
@@ -80,9 +88,10 @@ class DirectChannel:
         self.border.close()
 
     def _run(self, kind: str, messages: Sequence[tuple[int, torch.Tensor, bytes]], peer: int,
-             transfer: int) -> list[Handle]:
+             transfer: int, free_bits: int = 0) -> list[Handle]:
         """Post every message (index, flat tensor, control bytes) of one side of a transfer and
-        wait for all; returns their handles (a receive's control bytes are in ``extra``)."""
+        wait for all; returns their handles (a receive's control bytes are in ``extra``, its
+        tag in ``tag``; ``free_bits``: see :meth:`recv_next_shaped`)."""
         deadline = time.monotonic() + self.timeout_s
         nbytes = sum(t.numel() * t.element_size() for _, t, _ in messages)
         source, dest = (self.rank, peer) if kind == "send" else (peer, self.rank)
@@ -96,7 +105,7 @@ class DirectChannel:
             for i, flat, extra in messages:
                 tag = Tag(DIRECT_OP, transfer, i)
                 handles.append(self.border.isend(peer, flat, tag, self.timeout_s, extra) if kind == "send"
-                               else self.border.irecv(peer, flat, tag, timeout_s=self.timeout_s))
+                               else self.border.irecv(peer, flat, tag, timeout_s=self.timeout_s, free_bits=free_bits))
             for handle in handles:
                 handle.wait(max(deadline - time.monotonic(), 0.0))
         except (HetCCLError, RuntimeError, ValueError, OSError) as exc:

@@ -41,8 +41,8 @@ from hetccl_ray.transport.compress.frames import FRAME_BYTES, CodecStats, Decode
 from hetccl_ray.transport.compress.planes import layout_for
 from hetccl_ray.transport.compress.policy import LinkPolicy
 from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import (HEADER_SIZE, ByteCounter, Flag, Handle, Tag, chunks, header, mismatch,
-                                       parse_header)
+from hetccl_ray.transport.base import (HEADER_SIZE, ByteCounter, Flag, Handle, Tag, chunks, header, matches,
+                                       mismatch, parse_header)
 
 logger = logging.getLogger(__name__)
 
@@ -291,8 +291,10 @@ class _Incoming:
     """One posted receive: header, control bytes, then the payload into ``buf`` (reduced with
     ``op``, or staged through host memory for a device tensor)."""
 
-    def __init__(self, tag: Tag, buf: torch.Tensor, op: Optional[str], flexible: bool, handle: Handle) -> None:
+    def __init__(self, tag: Tag, buf: torch.Tensor, op: Optional[str], flexible: bool, handle: Handle,
+                 free_bits: int = 0) -> None:
         self.tag, self.buf, self.op, self.flexible, self.handle = tag, buf, op, flexible, handle
+        self.free_bits = free_bits  # bits of the sequence number the message may set as it likes
         self.nbytes = buf.numel() * buf.element_size()
         self.moved = 0  # payload bytes the sender announced
         self.wire = 0  # payload bytes on the wire (fewer than moved when framed)
@@ -320,9 +322,9 @@ class _Incoming:
         """The current part is complete: check it and set up the next; True at the end."""
         if self.phase == "header":
             got, sent, extra, framed = parse_header(bytes(self.header))
-            if got != self.tag or (sent != self.nbytes and not self.flexible):
+            if not matches(got, self.tag, self.free_bits) or (sent != self.nbytes and not self.flexible):
                 raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
-            self.framed = framed
+            self.framed, self.handle.tag = framed, got
             if sent != self.nbytes:
                 if sent > SPILL_LIMIT:
                     raise mismatch(link.owner.rank, self.tag, self.nbytes, link.peer, got, sent)
@@ -567,15 +569,17 @@ class TcpBorder(ByteCounter):
         return handle
 
     def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None,
-              timeout_s: float = 60.0, flexible: bool = False) -> Handle:
+              timeout_s: float = 60.0, flexible: bool = False, free_bits: int = 0) -> Handle:
         """Post a receive. ``flexible``: a payload of another size than ``buf`` is not an error
-        but lands in ``handle.spill`` (so calls that disagree can still be compared)."""
+        but lands in ``handle.spill`` (so calls that disagree can still be compared);
+        ``free_bits``: the message's sequence number may differ from ``tag``'s in these bits
+        (the tag it carried is in ``handle.tag``)."""
         handle = _DrivenHandle(self, peer, "recv")
         link = self._link(peer, timeout_s)
         if link.error is not None:
             handle.finish(link.error)
         else:
-            link.recvs.append(_Incoming(tag, buf, op, flexible, handle))
+            link.recvs.append(_Incoming(tag, buf, op, flexible, handle, free_bits))
         return handle
 
     def drive(self, handle: Handle, timeout_s: float) -> None:
