@@ -199,7 +199,7 @@ def microbatch_step(case: str, weights: dict, step: int, orders: dict) -> dict:
     bridge = cache.setdefault(("micro", case, group.group_name), Bridge(group, src, dst, name=f"micro {case}"))
     enc, lm = models(weights)
     here_src, here_dst = src.place(group.rank), dst.place(group.rank)
-    outs = []
+    before, outs = group.direct.border.bytes_sent, []
     for m in range(MICRO if here_src or here_dst else 0):  # a rank of neither module (fan-out) waits
         chunks = images(src.dp, step * MICRO + m)
         total = sum(c.numel() for c in chunks) // 8 * 5
@@ -215,7 +215,8 @@ def microbatch_step(case: str, weights: dict, step: int, orders: dict) -> dict:
     bridge.flush()
     grads = {f"{name}.{k}": p.grad.clone() if p.grad is not None else torch.zeros_like(p)
              for name, m in (("enc", enc), ("lm", lm)) for k, p in m.named_parameters()}
-    return {"loss": sum(outs).item() if here_dst else 0.0, "grads": grads}
+    return {"loss": sum(outs).item() if here_dst else 0.0, "grads": grads,
+            "sent": group.direct.border.bytes_sent - before}
 
 
 @pytest.mark.parametrize("case,dst_order,src_order", [
@@ -244,6 +245,10 @@ def test_backward_may_run_in_any_order_on_either_side(ranks, case, dst_order, sr
         for key, want in want_grads.items():
             got = sum(r["grads"][key] for r in results)
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7, err_msg=f"{case}: {key}")
+        if not case.startswith("colocated"):  # activations there and their gradients back, nothing more
+            activations = sum(sum(c.numel() for c in images(src.dp, step * MICRO + m)) // 8 * 6 * 4
+                              for m in range(MICRO))
+            assert sum(r["sent"] for r in results) == 2 * activations
         weights = {name: {k: v - LR * want_grads[f"{name}.{k}"] for k, v in weights[name].items()}
                    for name in ("enc", "lm")}
 
