@@ -220,12 +220,11 @@ def microbatch_step(case: str, weights: dict, step: int, orders: dict) -> dict:
 
 
 @pytest.mark.parametrize("case,dst_order,src_order", [
-    ("equal", "sum", "shuffled"),
-    ("fan-in to replicas", "shuffled", "forward"),  # the landing rank and its replica in orders of their own
-    ("sequence", "forward", "reversed"),
-    ("fan-out", "sum", "sum"),
-    ("colocated fan-in", "sum", "sum"),  # a rank that is both ends runs one order for both
-])
+    (case, *orders) for case in PLACEMENTS for orders in (
+        # colocated ranks are both ends: one order on all of them (reversed, or autograd's own)
+        [("sum", "sum"), ("reversed", "reversed")] if case.startswith("colocated")
+        # each destination rank its own shuffle (a landing rank and its replica disagree), or all reversed
+        else [("sum", "shuffled"), ("shuffled", "reversed")])])
 def test_backward_may_run_in_any_order_on_either_side(ranks, case, dst_order, src_order):
     """``sum(losses).backward()`` on the destination (autograd runs the last call's node
     first) and anchors in any order on the source give the one-process gradients, with the
