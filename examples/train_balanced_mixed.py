@@ -87,6 +87,8 @@ def train_loop(config: dict) -> None:
             if last:
                 metrics["histories"] = [None] * dist.get_world_size()  # each rank's own view of the shares
                 dist.all_gather_object(metrics["histories"], bal.history)
+                metrics["compute_s"] = [None] * dist.get_world_size()  # each rank's timed compute per step
+                dist.all_gather_object(metrics["compute_s"], bal.compute_s)
             report(metrics, model.module, last)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -69,6 +69,17 @@ def fit_speed(points: Sequence[tuple[int, float]]) -> Speed:
     return Speed(0.0, seconds / share)
 
 
+def add_point(points: Sequence[tuple[int, float]], point: tuple[int, float], fitted: Optional[Speed],
+              tolerance: float = 0.25, keep: int = 4) -> list[tuple[int, float]]:
+    """A rank's measurements with ``point`` (share, seconds) added, the last ``keep``; only
+    ``point`` where it is more than ``tolerance`` off what ``fitted`` (the fit before it)
+    predicts: the rank's speed changed (start-up work beside it ended, a slowdown came or
+    went), so its older points describe another speed and a line through them is wrong."""
+    if fitted is not None and abs(point[1] - fitted.time(point[0])) > tolerance * fitted.time(point[0]):
+        return [point]
+    return [*points[-(keep - 1):], point]
+
+
 def shares_for(speeds: Sequence[Speed], global_batch: int) -> list[int]:
     """Integer shares (each >= 1, summing to ``global_batch``) minimizing the predicted step
     time ``max(speed.time(share))``: one sample each, then each next sample to the rank that
@@ -91,10 +102,12 @@ def step_time(shares: Sequence[int], speeds: Sequence[Speed]) -> float:
 
 @dataclass(frozen=True)
 class Policy:
-    """When to change shares: every ``every`` measured steps, and only if the predicted step
-    time improves by more than ``margin`` (a fraction), so measurement noise does not make
-    shares oscillate. A change goes ``damping`` of the way to the predicted best split: a
-    fit from noisy steps can overshoot, and the next check corrects from nearer."""
+    """When to change shares: every ``every`` measured steps, and only if the predicted best
+    split's step time beats the current one's by more than ``margin`` (a fraction), so
+    measurement noise does not make shares oscillate. A change goes ``damping`` of the way
+    to that split (a fit from noisy steps can overshoot, and the next check corrects from
+    nearer); shares stop within the margin of the best, not where one damped step would gain
+    less than the margin."""
 
     every: int = 10
     margin: float = 0.1
@@ -112,13 +125,13 @@ class Policy:
         return steps_measured >= self.every
 
     def choose(self, current: Sequence[int], speeds: Sequence[Speed]) -> list[int]:
-        """New shares, or ``current`` when the gain is within the margin."""
+        """New shares, or ``current`` when the best split's gain is within the margin."""
         best = shares_for(speeds, sum(current))
+        if step_time(best, speeds) >= (1 - self.margin) * step_time(current, speeds):
+            return list(current)
         toward = [c + round(self.damping * (b - c)) for c, b in zip(current, best)]
         toward[-1] += sum(current) - sum(toward)  # rounding: the total stays the global batch
-        if min(toward) >= 1 and step_time(toward, speeds) < (1 - self.margin) * step_time(current, speeds):
-            return toward
-        return list(current)
+        return toward if min(toward) >= 1 and toward != list(current) else best
 
 
 def global_batch_indices(step: int, dataset_len: int, global_batch: int, seed: int) -> np.ndarray:

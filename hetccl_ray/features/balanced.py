@@ -80,6 +80,7 @@ class Balancer:
         self.history: list[dict] = [{"step": 0, "shares": list(self.shares)}]
         self.checks: list[dict] = []  # every "auto" check: each rank's measured step compute, the choice
         self.steps = 0
+        self.compute_s: list[float] = []  # each step's timed compute on this rank (0: not timed)
         self._window: list[float] = []  # compute seconds of each measured step since the last change
         self._skip = WARMUP_STEPS  # steps not measured: the first few, and the first after a change
         self._started: Optional[float] = None
@@ -140,6 +141,7 @@ class Balancer:
             raise RuntimeError("Balancer.step(): no compute was timed this step; wrap the DDP model "
                                "with Balancer.wrap() or put forward and backward inside Balancer.timed()")
         spent = self._ready - self._started if timed else 0.0
+        self.compute_s.append(spent)
         self._started = self._ready = None
         self.steps += 1
         if self._skip:
@@ -148,8 +150,9 @@ class Balancer:
             self._window.append(spent)
         if self.mode != "auto" or not self.policy.due(len(self._window)):
             return False
+        before = self.speeds or [None] * self.world
         for rank, point in enumerate(self._gather(statistics.median(self._window))):  # robust to a stalled step
-            self.measured[rank] = [*self.measured[rank][-3:], point]
+            self.measured[rank] = balance.add_point(self.measured[rank], point, before[rank])
         self.speeds = [balance.fit_speed(points) for points in self.measured]
         self._window = []
         chosen = self.policy.choose(self.shares, self.speeds)
