@@ -206,7 +206,7 @@ def _nothing():
 
 
 def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, island: str, queue,
-               emulated: bool = False) -> None:
+               emulated: bool = False, args: tuple = ()) -> None:
     os.environ["HETCCL_ISLAND"] = island
     if emulated:  # this rank's tensors are emulated device memory (devices.py's FAKE)
         os.environ["HETCCL_EMULATED_DEVICE"] = "0.002"
@@ -217,7 +217,7 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, isl
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        queue.put((rank, _map(fn(rank, world), lambda t: t.numpy() if isinstance(t, torch.Tensor) else t)))
+        queue.put((rank, _map(fn(rank, world, *args), lambda t: t.numpy() if isinstance(t, torch.Tensor) else t)))
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         import traceback
@@ -225,15 +225,16 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, backend: str, isl
         queue.put((rank, RuntimeError(f"{exc!r}\n{traceback.format_exc()}")))
 
 
-def run(fn: Callable, islands: list[str], backend: str, timeout_s: float = 180, emulated: tuple = ()) -> list:
-    """``fn(rank, world)`` in one spawned process per rank, on ``backend``; results by rank
-    (ranks in ``emulated`` on the emulated stream-ordered device)."""
+def run(fn: Callable, islands: list[str], backend: str, timeout_s: float = 180, emulated: tuple = (),
+        args: tuple = ()) -> list:
+    """``fn(rank, world, *args)`` in one spawned process per rank, on ``backend``; results by
+    rank (ranks in ``emulated`` on the emulated stream-ordered device)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, len(islands), port, backend, island, queue, r in emulated))
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, len(islands), port, backend, island, queue, r in emulated, args))
              for r, island in enumerate(islands)]
     for p in procs:
         p.start()
