@@ -58,3 +58,64 @@ def pipelined(rank: int, world: int, bounds: tuple[int, ...], schedule: str, mic
     else:
         run.step()
     return {"loss": float(sum(loss.item() for loss in losses)), "grads": [p.grad for p in module.parameters()]}
+
+
+LR = 0.1
+
+
+def reference_trained(microbatches: int, steps: int) -> list[torch.Tensor]:
+    """One process, SGD over the schedules' gradients (summed microbatch losses over the count)."""
+    model = nn.Sequential(*make_layers())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = data(step)
+        for xs, ys in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches)):
+            (loss_fn(model(xs), ys) / microbatches).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def trained(rank: int, world: int, bounds: tuple[int, ...], microbatches: int, steps: int, moves: dict) -> dict:
+    """hetccl_ray.features.pipeline.Pipeline from ``bounds``, SGD; before step s it moves to
+    ``moves[s]`` (weights go with their layers). This rank's stage's parameters, and its layers."""
+    from hetccl_ray.features.pipeline import Pipeline
+
+    pipe = Pipeline(make_layers(), loss_fn, microbatches, bounds=bounds,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    for step in range(steps):
+        if step in moves:
+            pipe.move_to(moves[step])
+        x, y = data(step)
+        pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+        pipe.optimizer.step()
+        pipe.optimizer.zero_grad()
+    return {"params": [p.detach() for p in pipe.module.parameters()], "layers": list(range(*pipe.bounds[rank:rank + 2]))}
+
+
+def planned(rank: int, world: int) -> dict:
+    """The split a Pipeline plans from measured layer times (rank 1 slowed by extra work per
+    layer), and a re-plan from the even split."""
+    from hetccl_ray.features.pipeline import Pipeline
+
+    torch.set_num_threads(1)  # two ranks on two cores: torch's default threads would contend
+    layers = make_layers()
+    if rank == 1:  # a slower island: each layer does its work three times (the same result)
+        layers = [_Slowed(layer, 3) for layer in layers]
+    sample = data(0)[0][:5].repeat(200, 1)
+    pipe = Pipeline(layers, loss_fn, 2, sample=sample, border_bytes_per_s=1e12)  # compute only
+    even = Pipeline(layers, loss_fn, 2, sample=sample, bounds=(0, 3, 6), border_bytes_per_s=1e12)
+    return {"bounds": list(pipe.bounds), "replanned": even.replan(), "after": list(even.bounds)}
+
+
+class _Slowed(nn.Module):
+    """A layer that computes ``times`` times and keeps the last (a simulated slow device)."""
+
+    def __init__(self, layer: nn.Module, times: int) -> None:
+        super().__init__()
+        self.layer, self.times = layer, times
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times - 1):
+            self.layer(x)
+        return self.layer(x)

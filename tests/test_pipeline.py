@@ -31,3 +31,26 @@ def test_microbatches_of_unequal_size_are_a_named_mismatch():
     match the size of tensor b (2)'); over hetccl the receive names both sizes."""
     with pytest.raises(RuntimeError, match=r"expected Tag.* with 96 bytes from rank 0, got .* with 64 bytes"):
         w.run(pw.pipelined, ["island0", "island1"], "hetccl", args=((0, 4, 6), "gpipe", 4), timeout_s=120)
+
+
+def test_moving_layers_between_steps_stays_exact():
+    """Layers 2 and 3 move from stage 0 to stage 1 after the first step, then back and one
+    more after the third: the weights after 4 SGD steps equal one process's."""
+    steps, microbatches = 4, 2
+    results = w.run(pw.trained, ["island0", "island1"], "hetccl",
+                    args=((0, 4, 6), microbatches, steps, {1: (0, 2, 6), 3: (0, 5, 6)}))
+    assert [r["layers"] for r in results] == [[0, 1, 2, 3, 4], [5]]
+    got = [p for r in results for p in r["params"]]
+    want = pw.reference_trained(microbatches, steps)
+    assert len(got) == len(want)
+    for g, ref in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), ref.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_the_split_is_planned_from_measured_speed():
+    """A stage rank about twice as slow per layer gets a third of the layers or fewer, when
+    planned and when re-planned from the even split."""
+    results = w.run(pw.planned, ["fast", "slow"], "hetccl")
+    assert results[0]["bounds"] == results[1]["bounds"]  # every rank planned the same split
+    assert results[0]["bounds"][1] in (4, 5), results  # 6 layers: 4-5 on the fast stage, not 3
+    assert results[0]["replanned"] and results[0]["after"][1] in (4, 5), results  # from the even split
