@@ -38,27 +38,35 @@ def reference(microbatches: int) -> tuple[float, list[torch.Tensor]]:
     return total, [p.grad / microbatches for p in model.parameters()]
 
 
-def pipelined(rank: int, world: int, bounds: tuple[int, ...], schedule: str, microbatches: int) -> dict:
-    """This rank's stage (layers ``bounds[rank]:bounds[rank + 1]``) under ``schedule``: the loss
-    on the last stage, and the stage's gradients."""
+def pipelined(rank: int, world: int, bounds: tuple[int, ...], cases: list[tuple[str, int]]) -> list[dict]:
+    """This rank's stage (layers ``bounds[rank]:bounds[rank + 1]``) under each (schedule,
+    microbatches) of ``cases`` in turn, from the same weights: the loss on the last stage,
+    and the stage's gradients; a case that raises gives its error and ends the run (its group
+    is broken)."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    layers = make_layers()[bounds[rank]:bounds[rank + 1]]
-    module = nn.Sequential(*layers)
-    stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"), group=dist.group.WORLD)
-    cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
-    run = cls(stage, n_microbatches=microbatches, loss_fn=loss_fn)
-    x, y = data(0)
-    losses: list[torch.Tensor] = []
-    if rank == 0:
-        run.step(x)
-    elif rank == world - 1:
-        run.step(target=y, losses=losses)
-    else:
-        run.step()
-    return {"loss": float(sum(loss.item() for loss in losses)), "grads": [p.grad for p in module.parameters()]}
-
+    results = []
+    for schedule, microbatches in cases:
+        module = nn.Sequential(*make_layers()[bounds[rank]:bounds[rank + 1]])
+        stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"), group=dist.group.WORLD)
+        cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
+        run = cls(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        x, y = data(0)
+        losses: list[torch.Tensor] = []
+        try:
+            if rank == 0:
+                run.step(x)
+            elif rank == world - 1:
+                run.step(target=y, losses=losses)
+            else:
+                run.step()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+            break
+        results.append({"loss": float(sum(loss.item() for loss in losses)),
+                        "grads": [p.grad for p in module.parameters()]})
+    return results
 
 LR = 0.1
 
@@ -106,6 +114,11 @@ def planned(rank: int, world: int) -> dict:
     pipe = Pipeline(layers, loss_fn, 2, sample=sample, border_bytes_per_s=1e12)  # compute only
     even = Pipeline(layers, loss_fn, 2, sample=sample, bounds=(0, 3, 6), border_bytes_per_s=1e12)
     return {"bounds": list(pipe.bounds), "replanned": even.replan(), "after": list(even.bounds)}
+
+
+def moved_and_planned(rank: int, world: int, microbatches: int, steps: int, moves: dict) -> dict:
+    """``trained`` and then ``planned``, in one process per rank (one start-up for both)."""
+    return {"trained": trained(rank, world, (0, 4, 6), microbatches, steps, moves), "planned": planned(rank, world)}
 
 
 class _Slowed(nn.Module):

@@ -183,7 +183,8 @@ def test_on_a_delayed_border_both_rounds_are_right(monkeypatch):
 @pytest.mark.slow
 def test_notebook_runs(tmp_path, monkeypatch):
     notebook = nbformat.read(REPO / "notebooks" / "bandwidth.ipynb", as_version=4)
-    for name, value in dict(HETCCL_NB_MAX="256K", HETCCL_NB_RATE="500mbit", HETCCL_NB_PLOT=str(tmp_path / "bw.png")).items():
+    # the unshaped run only: a shaped cluster is tested by test_shaped_link_limits_the_border_and_cleans_up
+    for name, value in dict(HETCCL_NB_MAX="256K", HETCCL_NB_RATE="off", HETCCL_NB_PLOT=str(tmp_path / "bw.png")).items():
         monkeypatch.setenv(name, value)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     assert (tmp_path / "bw.png").stat().st_size > 10_000

@@ -195,13 +195,25 @@ def _pair(name: str, islands: Sequence[str]) -> list:
     return actors
 
 
+def _wait_dead(actor, timeout_s: float = 30) -> None:
+    """Until Ray reports ``actor`` dead: ray.kill returns at once, and a call made just after it
+    may still run (in the CI on f4278df one did)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        time.sleep(0.1)
+
+
 def test_a_dead_sender_fails_the_receiver_at_once(peers):
     sender, receiver = _pair("rdt-dead-sender", ["a", "b"])
     ref = sender.state.remote(40)
     ray.get(sender.ready.remote())
     ray.kill(sender)
-    with pytest.raises(ray.exceptions.RayActorError):  # ray.kill returns at once: the sender is dead once this raises
-        ray.get(sender.ready.remote(), timeout=30)
+    _wait_dead(sender)
     started = time.monotonic()
     with pytest.raises(Exception) as failed:
         ray.get(receiver.take.remote(ref), timeout=90)
