@@ -99,10 +99,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", choices=["even"], default=None)
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
-    parser.add_argument("--slow-cores", type=float, default=0.5, help="CPUs of time the slow island gets")
+    parser.add_argument("--slow-cores", type=float, default=0.5,
+                        help="CPUs of time the slow island gets (0: no quota, equal islands)")
     args = parser.parse_args()
     config = {"steps": args.steps, "compare": args.compare}
-    with LocalCluster(ISLANDS, cpu_quota={"slow": args.slow_cores}, pin_cores=True):
+    with LocalCluster(ISLANDS, cpu_quota={"slow": args.slow_cores or None}, pin_cores=True):
         result = labelled_trainer(train_loop, ISLANDS, config).fit()
     rows = result.metrics["rows"]
     print(f"last plan: {result.metrics['predicted']}")
