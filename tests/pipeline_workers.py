@@ -132,3 +132,23 @@ class _Slowed(nn.Module):
         for _ in range(self.times - 1):
             self.layer(x)
         return self.layer(x)
+
+
+def compressed(rank: int, world: int) -> dict:
+    """bf16 stages (two blocks each) for 3 steps of 4 microbatches: the payload and wire
+    bytes this rank's border sent (activations from stage 0, their gradients from stage 1)."""
+    import hetccl_ray
+    from hetccl_ray.features.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(256, 256), nn.GELU()).to(torch.bfloat16) for _ in range(4)]
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(512, 256, generator=g).to(torch.bfloat16) for _ in range(2))
+    pipe = Pipeline(layers, lambda out, target: ((out.float() - target.float()) ** 2).mean(), 4, bounds=(0, 2, 4))
+    border = hetccl_ray.get_torch_group().border
+    payload, wire = border.bytes_sent, border.wire_bytes_sent
+    for _ in range(3):
+        pipe.step(x if rank == 0 else None, y if rank == 1 else None)
+        pipe.optimizer.step()
+        pipe.optimizer.zero_grad()
+    return {"payload": border.bytes_sent - payload, "wire": border.wire_bytes_sent - wire}

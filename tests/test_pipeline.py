@@ -53,3 +53,14 @@ def test_moving_layers_stays_exact_and_the_split_follows_measured_speed():
     assert planned[0]["bounds"] == planned[1]["bounds"]  # every rank planned the same split
     assert planned[0]["bounds"][1] in (4, 5), planned  # 6 layers: 4-5 on the fast stage, not 3
     assert planned[0]["replanned"] and planned[0]["after"][1] in (4, 5), planned  # from the even split
+
+
+def test_bf16_activations_and_gradients_cross_compressed(monkeypatch):
+    """With the border compressing (``compress="on"``: on one host "auto" never does, a copy
+    beats a codec there), bf16 activations and their gradients cross in at most 0.85 of their
+    bytes (the codec is lossless: bit-exact in test_tcp and test_group)."""
+    monkeypatch.setenv("HETCCL_COMPRESS", "on")
+    results = w.run(pw.compressed, ["island0", "island1"], "hetccl")
+    for rank, r in enumerate(results):
+        assert r["payload"] >= 3 * 4 * 128 * 256 * 2, r  # every microbatch's activation (or gradient)
+        assert r["wire"] <= 0.85 * r["payload"], (rank, r)
