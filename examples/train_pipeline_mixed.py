@@ -15,6 +15,7 @@ alternating (order swapped every step), so their times are side by side.
 from __future__ import annotations
 
 import argparse
+import csv
 import statistics
 import tempfile
 import time
@@ -99,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", choices=["even"], default=None)
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    parser.add_argument("--csv", help="write every step's row here (notebooks/pipeline.ipynb plots it)")
     parser.add_argument("--slow-cores", type=float, default=0.5,
                         help="CPUs of time the slow island gets (0: no quota, equal islands)")
     args = parser.parse_args()
@@ -106,6 +108,12 @@ def main() -> None:
     with LocalCluster(ISLANDS, cpu_quota={"slow": args.slow_cores or None}, pin_cores=True):
         result = labelled_trainer(train_loop, ISLANDS, config).fit()
     rows = result.metrics["rows"]
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["step", "mode", "stage0_layers", "step_s", "bubble", "loss", "sent"])
+            writer.writeheader()
+            writer.writerows({**{k: r[k] for k in ("step", "mode", "step_s", "bubble", "loss", "sent")},
+                              "stage0_layers": r["layers"][0]} for r in rows)
     print(f"last plan: {result.metrics['predicted']}")
     for row in rows:
         print(f"step {row['step']:3d} {row['mode']:5s} layers {row['layers']}  {row['step_s'] * 1e3:7.1f} ms  "

@@ -199,6 +199,15 @@ def test_balance_notebook_plots_the_benchmark(tmp_path, monkeypatch):
     assert "slowed even" in printed and "slowed auto" in printed
 
 
+def test_pipeline_notebook_plots_the_example(tmp_path, monkeypatch):
+    notebook = nbformat.read(REPO / "notebooks" / "pipeline.ipynb", as_version=4)
+    monkeypatch.setenv("HETCCL_NB_PLOT", str(tmp_path / "pipeline.png"))
+    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    assert (tmp_path / "pipeline.png").stat().st_size > 10_000
+    printed = "".join(out.get("text", "") for out in notebook.cells[1].outputs)
+    assert "speed: mean step" in printed and "even: mean step" in printed
+
+
 def test_link_bounds_are_the_busiest_islands_bytes_over_the_rate():
     two, uneven = Topology.from_islands(["a", "a", "b", "b"]), Topology.from_islands(["a", "b", "b", "b"])
     s, rate = 12 << 20, 1e9
