@@ -180,31 +180,30 @@ def test_on_a_delayed_border_both_rounds_are_right(monkeypatch):
         cluster.__exit__(None, None, None)
 
 
+def _run_notebook(name: str, plot, monkeypatch, timeout_s: int = 120, **env: str) -> str:
+    """Execute ``notebooks/<name>`` with its plot written to ``plot`` (and ``env`` set); check
+    the plot was drawn; return what its second cell printed."""
+    for key, value in {**env, "HETCCL_NB_PLOT": str(plot)}.items():
+        monkeypatch.setenv(key, value)
+    notebook = nbformat.read(REPO / "notebooks" / name, as_version=4)
+    NotebookClient(notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    assert plot.stat().st_size > 10_000
+    return "".join(out.get("text", "") for out in notebook.cells[1].outputs)
+
+
 @pytest.mark.slow
 def test_notebook_runs(tmp_path, monkeypatch):
-    notebook = nbformat.read(REPO / "notebooks" / "bandwidth.ipynb", as_version=4)
     # the unshaped run only: a shaped cluster is tested by test_shaped_link_limits_the_border_and_cleans_up
-    for name, value in dict(HETCCL_NB_MAX="256K", HETCCL_NB_RATE="off", HETCCL_NB_PLOT=str(tmp_path / "bw.png")).items():
-        monkeypatch.setenv(name, value)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
-    assert (tmp_path / "bw.png").stat().st_size > 10_000
+    _run_notebook("bandwidth.ipynb", tmp_path / "bw.png", monkeypatch, 600, HETCCL_NB_MAX="256K", HETCCL_NB_RATE="off")
 
 
 def test_balance_notebook_plots_the_benchmark(tmp_path, monkeypatch):
-    notebook = nbformat.read(REPO / "notebooks" / "balanced.ipynb", as_version=4)
-    monkeypatch.setenv("HETCCL_NB_PLOT", str(tmp_path / "balance.png"))
-    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
-    assert (tmp_path / "balance.png").stat().st_size > 10_000
-    printed = "".join(out.get("text", "") for out in notebook.cells[1].outputs)
+    printed = _run_notebook("balanced.ipynb", tmp_path / "balance.png", monkeypatch)
     assert "slowed even" in printed and "slowed auto" in printed
 
 
 def test_pipeline_notebook_plots_the_example(tmp_path, monkeypatch):
-    notebook = nbformat.read(REPO / "notebooks" / "pipeline.ipynb", as_version=4)
-    monkeypatch.setenv("HETCCL_NB_PLOT", str(tmp_path / "pipeline.png"))
-    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
-    assert (tmp_path / "pipeline.png").stat().st_size > 10_000
-    printed = "".join(out.get("text", "") for out in notebook.cells[1].outputs)
+    printed = _run_notebook("pipeline.ipynb", tmp_path / "pipeline.png", monkeypatch)
     assert "speed: mean step" in printed and "even: mean step" in printed
 
 
