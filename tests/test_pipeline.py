@@ -13,16 +13,18 @@ from tests import pipeline_workers as pw
 from tests import torch_workers as w
 
 
-@pytest.mark.parametrize("bounds", [(0, 4, 6), (0, 2, 3, 6)])
-def test_stages_on_islands_train_as_one_process(bounds):
-    """2 and 3 islands (stages of unequal layer counts); GPipe with 2 and 1F1B with 5
-    microbatches of a batch of 10, one after the other in the same processes. Then 4
+@pytest.mark.parametrize("bounds,emulated", [((0, 4, 6), (1,)), ((0, 2, 3, 6), ())])
+def test_stages_on_islands_train_as_one_process(bounds, emulated):
+    """2 islands (the second stage's rank on the emulated device: its tensors are device
+    memory, ordered on streams) and 3 islands (stages of unequal layer counts); GPipe with 2
+    and 1F1B with 5 microbatches of a batch of 10, one after the other in the same
+    processes. Then 4
     microbatches: torch's schedules cut 3, 3, 2, 2 rows and size a stage's receive buffers
     from the first (Gloo fails too: 'The size of tensor a (3) must match the size of tensor b
     (2)'); over hetccl the receive names both sizes."""
     islands = [f"island{j}" for j in range(len(bounds) - 1)]
     cases = [("gpipe", 2), ("1f1b", 5), ("gpipe", 4)]
-    results = w.run(pw.pipelined, islands, "hetccl", args=(bounds, cases))
+    results = w.run(pw.pipelined, islands, "hetccl", args=(bounds, cases), emulated=emulated)
     for k, (schedule, microbatches) in enumerate(cases[:2]):
         want_loss, want_grads = pw.reference(microbatches)
         np.testing.assert_allclose(results[-1][k]["loss"], want_loss, rtol=1e-5, err_msg=schedule)
