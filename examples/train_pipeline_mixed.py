@@ -63,7 +63,6 @@ def train_loop(config: dict) -> None:
     group = hetccl_ray.get_torch_group()
     rate = group.planner.link.bytes_per_s if group.planner.link is not None else 1.25e8
     pipes = {"speed": Pipeline(make_layers(config), loss_fn, m, sample=sample, border_bytes_per_s=rate, optimizer=sgd)}
-    costs = pipes["speed"].costs
     if config["compare"] == "even":
         pipes["even"] = Pipeline(make_layers(config), loss_fn, m, optimizer=sgd,
                                  bounds=stages.even_bounds(config["layers"], dist.get_world_size()))
@@ -71,7 +70,6 @@ def train_loop(config: dict) -> None:
     for step in range(config["steps"]):
         if step and step % config["replan_every"] == 0:  # measured again: Ray Train's start-up actors
             pipes["speed"].replan()                      # share a core with one stage for its first seconds
-            costs = pipes["speed"].costs
         x, y = batch(config, step + 1)
         for mode in (list(pipes) if step % 2 == 0 else list(pipes)[::-1]):
             pipe = pipes[mode]
@@ -84,7 +82,7 @@ def train_loop(config: dict) -> None:
             pipe.optimizer.zero_grad()
             dist.barrier()
             step_s = time.perf_counter() - started
-            split = stages.split_of(costs, pipe.bounds)
+            split = stages.split_of(pipes["speed"].costs, pipe.bounds)  # the last measured costs
             rows.append({"step": step, "mode": mode, "layers": split.sizes(), "step_s": step_s, "loss": loss,
                          "bubble": max(0.0, 1 - m * max(split.stage_s) / step_s), "sent": sent})
     gathered: list = [None] * dist.get_world_size()

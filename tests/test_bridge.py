@@ -106,6 +106,12 @@ def loss_of(out: torch.Tensor, total: int) -> torch.Tensor:
     return (out ** 2).sum() / total
 
 
+def gradients(enc: torch.nn.Module, lm: torch.nn.Module) -> dict:
+    """Every parameter's gradient on this rank, by name (zeros where none reached it)."""
+    return {f"{name}.{k}": p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            for name, m in (("enc", enc), ("lm", lm)) for k, p in m.named_parameters()}
+
+
 def bridge_step(case: str, weights: dict, step: int) -> dict:
     """One rank's step: encoder on its chunk, the bridge, the language model on its part."""
     src, dst = PLACEMENTS[case]
@@ -129,8 +135,7 @@ def bridge_step(case: str, weights: dict, step: int) -> dict:
     else:
         bridge(x).backward()  # a source rank: its anchor waits for the gradient
     bridge.flush()
-    grads = {f"{name}.{k}": p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-             for name, m in (("enc", enc), ("lm", lm)) for k, p in m.named_parameters()}
+    grads = gradients(enc, lm)
     return {"loss": loss.item(), "grads": grads, "sent": group.direct.border.bytes_sent - before}
 
 
@@ -213,8 +218,7 @@ def microbatch_step(case: str, weights: dict, step: int, orders: dict) -> dict:
         for m in _in_order(order, len(outs), group.rank):
             outs[m].backward()
     bridge.flush()
-    grads = {f"{name}.{k}": p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-             for name, m in (("enc", enc), ("lm", lm)) for k, p in m.named_parameters()}
+    grads = gradients(enc, lm)
     return {"loss": sum(outs).item() if here_dst else 0.0, "grads": grads,
             "sent": group.direct.border.bytes_sent - before}
 

@@ -75,7 +75,8 @@ def add_point(points: Sequence[tuple[int, float]], point: tuple[int, float], fit
     ``point`` where it is more than ``tolerance`` off what ``fitted`` (the fit before it)
     predicts: the rank's speed changed (start-up work beside it ended, a slowdown came or
     went), so its older points describe another speed and a line through them is wrong."""
-    if fitted is not None and abs(point[1] - fitted.time(point[0])) > tolerance * fitted.time(point[0]):
+    predicted = fitted.time(point[0]) if fitted is not None else None
+    if predicted is not None and abs(point[1] - predicted) > tolerance * predicted:
         return [point]
     return [*points[-(keep - 1):], point]
 

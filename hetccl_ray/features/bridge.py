@@ -34,7 +34,8 @@ from hetccl_ray.memory import devices
 from hetccl_ray.errors import HetCCLError, HetCCLInputError
 
 REPLICATED, SEQUENCE = "replicated", "sequence"
-_KEY_SHIFT = 46  # a message's number: bridge key << 46 | call << 18 | hop << 1 | backward
+# a message's number: bridge key << 46 | call << 18 | hop << 1 | backward
+_KEY_SHIFT, _CALL_SHIFT, _CALL_MASK = 46, 18, 0xFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ class Bridge:
         return self.routes.items.get(self.rank, ())
 
     def _transfer(self, call: int, hop: int, backward: int) -> int:
-        return self._key | (call & 0xFFFFFFF) << 18 | hop << 1 | backward
+        return self._key | (call & _CALL_MASK) << _CALL_SHIFT | hop << 1 | backward
 
     def _take(self, peer: int, transfer: int, device: torch.device) -> torch.Tensor:
         """Message ``transfer`` from ``peer``. A peer sends in the order its own passes run
@@ -335,7 +336,7 @@ class Bridge:
 
 def _call(transfer: int) -> int:
     """The call a bridge message belongs to, by its number."""
-    return transfer >> 18 & 0xFFFFFFF
+    return transfer >> _CALL_SHIFT & _CALL_MASK
 
 
 class _Bridged(torch.autograd.Function):

@@ -13,8 +13,11 @@ bottleneck (dynamic programming over cut positions, exact).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from hetccl_ray.features.balance import even_shares
 
 
 @dataclass(frozen=True)
@@ -108,11 +111,7 @@ def even_bounds(layers: int, stages: int) -> tuple[int, ...]:
     """Layers split as evenly as integers allow (the first stages take the extra ones)."""
     if layers < stages:
         raise ValueError(f"{layers} layers cannot give each of {stages} stages a layer")
-    q, r = divmod(layers, stages)
-    bounds = [0]
-    for j in range(stages):
-        bounds.append(bounds[-1] + q + (1 if j < r else 0))
-    return tuple(bounds)
+    return (0, *itertools.accumulate(even_shares(layers, stages)))
 
 
 def plan(costs: Costs) -> Split:
