@@ -34,6 +34,7 @@ from hetccl_ray.tools.local_cluster import REPO, island_names, parse_layout, pla
 from hetccl_ray.core.topology import ISLAND_LABEL
 
 SUBNET = "10.213"  # addresses of this machine's own test namespaces only
+HEAD_GRACE_S = 3.0  # see __exit__
 _STARTED = itertools.count()  # clusters this process has made (a deleted veth can linger a moment)
 
 
@@ -194,24 +195,28 @@ class ShapedCluster:
     def __exit__(self, *exc: object) -> None:
         if ray.is_initialized():
             ray.shutdown()
+        # islands first, each within a second; then the head, whose GCS and raylet on SIGTERM
+        # wait on each other for about 30 s: what is left of it after HEAD_GRACE_S is killed
         for proc in reversed(self._procs):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for proc in reversed(self._procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+            _stop(proc, HEAD_GRACE_S if proc is self._procs[0] else 15.0)
         self._procs.clear()
         for cmd in reversed(self._made):
             subprocess.run(cmd, capture_output=True)
         self._made.clear()
         if self.address is not None:
             restore_pointer(self._pointer, self._found, self.address)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM ``proc``'s process group; SIGKILL what is left of it after ``grace_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
