@@ -303,6 +303,44 @@ def test_dead_peer_fails_the_others_and_the_group_is_recreated(env, flat, one_ho
     assert ray.get([a.call.remote(_destroy, name) for a in group], timeout=60) == [[], [], []]
 
 
+def _destroy_group(name):
+    col.destroy_collective_group(name)
+
+
+def test_a_group_holds_its_name_until_a_rank_destroys_it_and_starts_no_actor(actors, monkeypatch):
+    """The door forms each rank with Ray's init_collective_group: no info actor is started, the
+    name is held in Ray's KV; a second group of that name is refused while the first lives,
+    any one rank's destroy frees it (its rank 0 may be the one that died), and a late destroy
+    from an earlier incarnation leaves the new one's name alone."""
+    from hetccl_ray.doors import ray_collective
+
+    monkeypatch.setattr(ray_collective, "_NAME_GRACE_S", 0.5)
+    first, second = [actors["a"][0], actors["b"][0]], [actors["a"][1], actors["b"][1]]
+
+    def create(group, ranks):
+        hetccl_ray.create_collective_group(group, 2, ranks, group_name="held", timeout_s=20)
+
+    def still_held(group):
+        with pytest.raises(hetccl_ray.HetCCLError, match="group 'held' still exists"):
+            create(group, [0, 1])
+
+    create(first, [0, 1])
+    with pytest.raises(ValueError):
+        ray.get_actor("info_held")
+    _check_sum(ray.get([a.call.remote(_allreduce_value, "held", r) for r, a in enumerate(first)]), 2)
+    still_held(second)
+    with pytest.raises(ValueError, match=r"ranks must give each of the 2 actors its own one of 0..1, got \[1, 1\]"):
+        hetccl_ray.create_collective_group(second, 2, [1, 1], group_name="held-too", timeout_s=20)
+    ray.get(first[1].call.remote(_destroy_group, "held"), timeout=60)  # rank 1 only
+    create(second, [1, 0])
+    _check_sum(ray.get([a.call.remote(_allreduce_value, "held", r) for r, a in zip([1, 0], second)]), 2)
+    ray.get(first[0].call.remote(_destroy_group, "held"), timeout=60)  # the first incarnation's rank 0, late
+    still_held(first)
+    ray.get([a.call.remote(_destroy_group, "held") for a in second], timeout=60)
+    create(first, [0, 1])
+    ray.get([a.call.remote(_destroy_group, "held") for a in first], timeout=60)
+
+
 # -- a tensor over 2 GiB across the border -------------------------------------------------------
 
 def _big_allreduce(name, rank, n):

@@ -15,7 +15,7 @@ from hetccl_ray.doors import rdt, torch_backend
 from hetccl_ray.errors import HetCCLError, HetCCLTimeoutError
 from hetccl_ray.group.group import BACKEND, HetCCLGroup
 from hetccl_ray.group.options import GroupOptions
-from hetccl_ray.group.rendezvous import options_key, put_raw
+from hetccl_ray.group.rendezvous import claim, options_key, put_raw, release
 
 _NAME_GRACE_S = 10.0
 
@@ -47,8 +47,8 @@ def _register_in_actor(_instance: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _form_in_actor(_instance: Any, group_name: str) -> None:
-    _ray_collective.get_group_handle(group_name)
+def _form_in_actor(_instance: Any, group_name: str, world_size: int, rank: int) -> None:
+    _ray_collective.init_collective_group(world_size, rank, backend=BACKEND, group_name=group_name)
 
 
 def _answers(refs: Sequence[Any], ranks: Sequence[int], group_name: str, what: str, timeout_s: float) -> None:
@@ -67,14 +67,17 @@ def _answers(refs: Sequence[Any], ranks: Sequence[int], group_name: str, what: s
             raise kind(f"group '{group_name}': actor {i} (rank {ranks[i]}) failed while {what}: {cause}") from exc
 
 
-def _wait_for_name(group_name: str, grace_s: float = _NAME_GRACE_S) -> None:
-    """A group destroyed a moment ago frees its name once Ray has killed its info actor."""
-    deadline = time.monotonic() + grace_s
+def _claim(group_name: str) -> None:
+    """Take ``group_name`` for a new incarnation (a generation record, rendezvous.py), waiting
+    ``_NAME_GRACE_S`` for one destroyed a moment ago to let go of it (its ranks drop the record
+    as they destroy it; Ray kills the info actor of one declared through Ray)."""
+    deadline = time.monotonic() + _NAME_GRACE_S
     while True:
         try:
             ray.get_actor("info_" + group_name)
         except ValueError:
-            return
+            if claim(group_name):
+                return
         if time.monotonic() > deadline:
             raise HetCCLError(f"group '{group_name}' still exists; call destroy_collective_group('{group_name}') "
                               "in its ranks before creating it again")
@@ -88,18 +91,28 @@ def create_collective_group(actors: Sequence[Any], world_size: int, ranks: Seque
     makes sure every actor has the backend registered (so an actor that never imported
     hetccl_ray gets it, instead of Ray's "group not initialized" error) and forms the group
     on every actor before it returns (as ``ray.experimental.collective`` does; Ray Direct
-    Transport's transfers need it formed), so a rank that cannot join fails here. ``fields``
-    are :class:`GroupOptions` fields, e.g. ``timeout_s=30``."""
+    Transport's transfers need it formed), so a rank that cannot join fails here. Each actor
+    forms its rank with Ray's ``init_collective_group``: no info actor to start (Ray's
+    declarative path starts one, about 3 s here), the name is held by a record in Ray's KV
+    until the group is destroyed. ``fields`` are :class:`GroupOptions` fields, e.g.
+    ``timeout_s=30``."""
     options = options or GroupOptions(**fields)
+    ranks = list(ranks)
+    if len(ranks) != len(actors) or len(set(ranks)) != len(ranks) or not all(0 <= r < world_size for r in ranks):
+        raise ValueError(f"group '{group_name}': ranks must give each of the {len(actors)} actors its own one "
+                         f"of 0..{world_size - 1}, got {ranks}")
     _answers([actor.__ray_call__.remote(_register_in_actor) for actor in actors], ranks, group_name,
              "loading hetccl_ray", options.timeout_s)
-    _wait_for_name(group_name)
-    set_group_options(group_name, options)
-    _ray_collective.create_collective_group(list(actors), world_size, list(ranks), backend="hetccl",
-                                            group_name=group_name)
-    _answers([actor.__ray_call__.remote(_form_in_actor, group_name) for actor in actors], ranks, group_name,
-             "forming the group", 2 * options.timeout_s + 60)  # the formation's deadline, then calibration
-    rdt.record_members(group_name, actors, ranks)
+    _claim(group_name)
+    try:
+        set_group_options(group_name, options)
+        rdt.record_members(group_name, actors, ranks)
+        _answers([actor.__ray_call__.remote(_form_in_actor, group_name, world_size, rank)
+                  for actor, rank in zip(actors, ranks)], ranks, group_name,
+                 "forming the group", 2 * options.timeout_s + 60)  # the formation's deadline, then calibration
+    except BaseException:
+        release(group_name)  # nothing formed holds the name: it can be created again at once
+        raise
 
 
 def get_group(group_name: str = "default") -> HetCCLGroup:

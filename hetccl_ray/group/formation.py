@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hetccl_ray.memory import devices
 from hetccl_ray.group.options import GroupOptions, ProcessOptions
-from hetccl_ray.group.rendezvous import Rendezvous, StoreRendezvous
+from hetccl_ray.group.rendezvous import Rendezvous, StoreRendezvous, generation_key, get_raw
 from hetccl_ray.errors import HetCCLError, HetCCLMismatchError, HetCCLTimeoutError, RecordsMissing
 from hetccl_ray.core.topology import Topology, island_for
 from hetccl_ray.transport import verbs
@@ -45,7 +45,11 @@ class Formed:
 
 
 def _generation(group_name: str) -> str:
-    """Tells incarnations of one group name apart: Ray's info actor id when declared."""
+    """Tells incarnations of one group name apart: the door's generation record, else Ray's
+    info actor id where the group was declared through Ray."""
+    claimed = get_raw(generation_key(group_name))
+    if claimed:
+        return claimed.decode()
     try:
         return ray.get_actor("info_" + group_name)._actor_id.hex()
     except ValueError:

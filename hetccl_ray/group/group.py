@@ -40,7 +40,7 @@ from hetccl_ray.core.op import Op, OpBuilder, Reduce
 from hetccl_ray.group.options import GroupOptions
 from hetccl_ray.group.progress import Progress
 from hetccl_ray.memory.buffers import copy
-from hetccl_ray.group.rendezvous import StoreRendezvous, delete, get_raw, members_key, options_key
+from hetccl_ray.group.rendezvous import StoreRendezvous, get_raw, options_key, release
 from hetccl_ray.core.tensors import Operand
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError)
@@ -635,6 +635,6 @@ class HetCCLGroup(BaseGroup):
         self._flat = None
         for key in (f"rank/{self.rank}", f"progress/{self.rank}"):
             self._rendezvous.delete(key)
-        if self.rank == 0 and not isinstance(self._rendezvous, StoreRendezvous):
-            delete(members_key(self.group_name))  # no direct transfer is routed to it any more
+        if not isinstance(self._rendezvous, StoreRendezvous):  # any rank: rank 0 may be the one that died
+            release(self.group_name, self._rendezvous.generation)  # the name is free, no direct transfer goes to it
         self._store = None

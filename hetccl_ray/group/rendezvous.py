@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Iterable, Optional
 
 import ray.experimental.internal_kv as kv
@@ -20,6 +21,27 @@ def options_key(group_name: str) -> str:
 def members_key(group_name: str) -> str:
     """Where the driver records which actor is which rank (direct transfers find groups there)."""
     return f"members/{group_name}"
+
+
+def generation_key(group_name: str) -> str:
+    """Where a group created by the door holds its name: its incarnation's generation."""
+    return f"generation/{group_name}"
+
+
+def claim(group_name: str) -> bool:
+    """Record a fresh generation for ``group_name`` unless one is there (atomic in Ray's KV):
+    whether the name was free."""
+    return not kv._internal_kv_put(generation_key(group_name), uuid.uuid4().hex.encode(), overwrite=False,
+                                   namespace=NAMESPACE)
+
+
+def release(group_name: str, generation: Optional[str] = None) -> None:
+    """Free ``group_name``: its generation and its members (direct transfers stop finding it);
+    with ``generation``, only while the name is still that incarnation's."""
+    if generation is not None and get_raw(generation_key(group_name)) not in (None, generation.encode()):
+        return  # created again since: the name is the new incarnation's
+    delete(generation_key(group_name))
+    delete(members_key(group_name))
 
 
 def keys(prefix: str) -> list[str]:
@@ -46,7 +68,7 @@ class Rendezvous:
     """
 
     def __init__(self, group_name: str, generation: str) -> None:
-        self.group_name = group_name
+        self.group_name, self.generation = group_name, generation
         self.prefix = f"{group_name}/{generation}/"
 
     def _put(self, key: str, raw: bytes) -> None:
