@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pytest
+import torch
 
 from hetccl_ray.core import costs
 from hetccl_ray.core.topology import Topology
@@ -193,9 +194,39 @@ def test_calibration_races_each_op_up_the_ladder_and_keeps_each_winner_where_it_
     # the header shows what the races measured: every rung and plan raced, a slow one as slow
     assert {(op, size, plan) for op, by_size in p.races.items() for size, times in by_size.items()
             for plan in times} == {(op, size, plan) for (op, size), plans in raced.items() for plan in plans}
-    assert p.races["reduce"][m16][planner.FLAT] > p.races["reduce"][m16][planner.PLAN]  # 5 ms against 3, summed
+    assert p.races["reduce"][m16][planner.FLAT] > p.races["reduce"][m16][planner.PLAN]  # 5 ms against 3
     raced_line = next(line for line in p.describe() if line.startswith("raced reduce"))
     assert f"{m16:,} B plan " in raced_line and " flat " in raced_line
+
+
+def test_a_race_takes_each_call_on_its_slowest_rank():
+    """The flat broadcast's root and its own island finish early; the far island's rank takes
+    6 ms where the hierarchical plan takes 2 ms everywhere. Summed over 4 ranks the flat op
+    would win (0.1 * 3 + 6 < 2 * 4); on its slowest rank it loses. Every timed call starts
+    after a barrier."""
+    import time
+
+    from hetccl_ray.core import planner
+
+    p = planner.Planner(TWO_BY_TWO)
+    barriers = []
+    sleep_s = {planner.FLAT: 1e-4, planner.PLAN: 2e-3}
+
+    def call():
+        time.sleep(sleep_s[p.forced])
+
+    def allreduce(t, op):  # this rank and, for every call, the far island's slowest rank
+        assert op == "max"
+        far = torch.zeros_like(t)
+        far[0, 1], far[0, 2] = 2e-3, 6e-3  # [op, (round, plan, flat), call]
+        t.copy_(torch.maximum(t, far))
+
+    raced = planner._race(lambda nbytes: {"broadcast": call}, p, lambda: barriers.append(p.forced), allreduce,
+                          lambda t: None, 1 << 20, {"broadcast": (planner.PLAN, planner.FLAT)})
+    assert raced["broadcast"][planner.FLAT] == pytest.approx(6e-3)
+    assert raced["broadcast"][planner.PLAN] == pytest.approx(2e-3, rel=0.5)
+    assert min(raced["broadcast"], key=raced["broadcast"].get) == planner.PLAN
+    assert barriers == [None] * 2 * (planner.OP_PROBE_ROUNDS + 1)  # before every call, on no forced plan
 
 
 def test_a_one_hop_group_reads_its_timed_checks_as_one_hop():

@@ -5,7 +5,7 @@ plan (plans.py), and the flat plan (one library over every rank: Gloo, for CPU t
 on every rank, after the rows check; shared memory where every rank shares a host, which
 then also checks every call and leaves no round). The choice reads only the call's op and size, the
 agreed rows and what formation measured and agreed (the worst of every rank's link costs,
-costs.py, and the timed races of the plans, summed over ranks), never the local tensor, so
+costs.py, and the timed races of the plans, each call's slowest rank), never the local tensor, so
 every rank of a group of GPU and CPU islands takes the same plan.
 """
 
@@ -103,7 +103,7 @@ class Planner:
     shared_memory: bool = False  # the flat library is shm.py's (every rank on one host), not Gloo
     one_hop: bool = False  # small rounds and checks in one hop (rounds.py): the ``one_hop`` option
     check_calls: bool = True  # the ``check_calls`` option: a rows round before ops that carry no rows
-    # what calibration's races measured: per op, per size, each plan's seconds summed over ranks
+    # what calibration's races measured: per op, per size, each plan's fastest call on its slowest rank
     races: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
     strict: bool = False  # the ``strict`` option: a group of one island checks its calls too
     rank: int = 0  # whose choices these are
@@ -230,7 +230,7 @@ class Planner:
         for op, by_size in self.races.items():
             rungs = "; ".join(f"{size:,} B " + " ".join(f"{plan} {seconds * 1e3:.1f}" for plan, seconds in times.items())
                               for size, times in sorted(by_size.items()))
-            lines.append(f"raced {op} (ms, summed over ranks): {rungs}")
+            lines.append(f"raced {op} (ms, fastest call's slowest rank): {rungs}")
         return lines
 
 
@@ -278,13 +278,13 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
               synchronize: Callable[[torch.Tensor], None], allreduce: Callable[[torch.Tensor, str], None],
               probe_calls: Callable[[int], dict[str, Callable[[], None]]]) -> None:
     """Set the group's planner: thresholds from the ``small_bytes`` option, else from costs
-    measured now on every rank and agreed (``allreduce(t, "max")``: the slowest rank's,
-    ``"sum"``), so that every rank plans alike: timed rows-only
-    rounds and small-round broadcasts through the group's own ``barrier`` and ``broadcast``
-    (the link), the flat library's broadcasts (``flat_broadcast``), then each op of
-    ``probe_calls`` raced by its candidate plans up a ladder of sizes (what every rank saw,
-    summed: one rank's view of a close race is noise). The round's threshold and the flat
-    plan's start are where their races were won; the model's line fills in below the ladder."""
+    measured now on every rank and agreed (``allreduce(t, "max")``: the slowest rank's), so
+    that every rank plans alike: timed rows-only rounds and small-round broadcasts through the
+    group's own ``barrier`` and ``broadcast`` (the link), the flat library's broadcasts
+    (``flat_broadcast``), then each op of ``probe_calls`` raced by its candidate plans up a
+    ladder of sizes (each call's time on its slowest rank: one rank's view of a close race is
+    noise). The round's threshold and the flat plan's start are where their races were won;
+    the model's line fills in below the ladder."""
     topology = planner.topology
     planner.flat = flat_broadcast is not None
     planner.flat_from = dict.fromkeys(costs.OPS, 0.0 if flat_mode == "on" else math.inf)
@@ -316,8 +316,8 @@ def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat
     if len(values) > 2:
         planner.flat_link = costs.LinkCosts(values[2], 1 / values[3])
     sizes = _ladder(topology, planner.link, values[4] if len(values) > 2 else None, planner.one_hop)
-    round_lost = _run_ladder(planner, sizes, measure_flat, functools.partial(_race, probe_calls, planner, allreduce,
-                                                                             synchronize))
+    round_lost = _run_ladder(planner, sizes, measure_flat, functools.partial(_race, probe_calls, planner, barrier,
+                                                                             allreduce, synchronize))
     if measure_flat and max(sizes) < max(OP_PROBE_BYTES):
         # the rungs shrank for a slow flat library: a win there is latency, not bandwidth, and
         # is not extrapolated (on a 1 Gbit/s link the flat broadcast won at 1-2 MiB and ran at
@@ -381,33 +381,43 @@ def _run_ladder(planner: Planner, sizes: list[int], flat: bool,
 
 
 def _race(probe_calls: Callable[[int], dict[str, Callable[[], None]]], planner: Planner,
-          allreduce: Callable[[torch.Tensor, str], None], synchronize: Callable[[torch.Tensor], None],
-          size: int, entrants: dict[str, tuple[str, ...]]) -> dict[str, dict[str, float]]:
-    """Each op's plans raced at ``size``: every rank's fastest of ``OP_PROBE_ROUNDS`` timed
-    calls (after one untimed), the plans taken in turn, summed over ranks (not the model's
-    crossover: between its probes its line is extrapolated, and has picked plans where
-    they lost)."""
+          barrier: Callable[[], None], allreduce: Callable[[torch.Tensor, str], None],
+          synchronize: Callable[[torch.Tensor], None], size: int,
+          entrants: dict[str, tuple[str, ...]]) -> dict[str, dict[str, float]]:
+    """Each op's plans raced at ``size``: ``OP_PROBE_ROUNDS`` timed calls each (after one
+    untimed), the plans taken in turn, every call started together (a barrier); a call takes
+    its slowest rank's time (an op ends on its last rank: a root's own time ends when its sends
+    are buffered, so a sum over ranks favoured rooted and flat ops by what their first ranks
+    did not wait), and a plan its fastest call (not the model's crossover: between its probes
+    its line is extrapolated, and has picked plans where they lost)."""
     calls, names = probe_calls(size), (ROUND, PLAN, FLAT)
-    fastest = [_fastest(planner, calls[op], plans) for op, plans in entrants.items()]
-    seconds = torch.tensor([[best.get(plan, 0.0) for plan in names] for best in fastest], dtype=torch.float64)
-    allreduce(seconds, "sum")
+    times = [_timed_calls(planner, barrier, calls[op], plans) for op, plans in entrants.items()]
+    seconds = torch.tensor([[mine.get(plan, [0.0] * OP_PROBE_ROUNDS) for plan in names] for mine in times],
+                           dtype=torch.float64)
+    allreduce(seconds, "max")
     synchronize(seconds)
+    fastest = seconds.min(dim=2).values.tolist()
     return {op: {plan: row[names.index(plan)] for plan in plans}
-            for (op, plans), row in zip(entrants.items(), seconds.tolist())}
+            for (op, plans), row in zip(entrants.items(), fastest)}
 
 
-def _fastest(planner: Planner, call: Callable[[], None], plans: tuple[str, ...]) -> dict[str, float]:
-    """Each plan's fastest of ``OP_PROBE_ROUNDS`` timed calls of ``call``, after one untimed."""
-    best = dict.fromkeys(plans, math.inf)
+def _timed_calls(planner: Planner, barrier: Callable[[], None], call: Callable[[], None],
+                 plans: tuple[str, ...]) -> dict[str, list[float]]:
+    """Each plan's ``OP_PROBE_ROUNDS`` timed calls of ``call`` on this rank, after one
+    untimed, each after a barrier."""
+    times: dict[str, list[float]] = {plan: [] for plan in plans}
     try:
         for warm in [True] + [False] * OP_PROBE_ROUNDS:  # a first call allocates: not timed
             for plan in plans:
+                planner.forced = None  # the barrier goes its own way
+                barrier()
                 planner.forced = plan
                 seconds = timed(call, 1)[0]
-                best[plan] = best[plan] if warm else min(best[plan], seconds)
+                if not warm:
+                    times[plan].append(seconds)
     finally:
         planner.forced = None
-    return best
+    return times
 
 
 def _round_limit(model: int, lost_at: float, sizes: list[int]) -> int:
