@@ -61,7 +61,7 @@ def train_loop(config: dict) -> None:
     sample = batch(config, 0)[0][:config["batch"] // m]
     sgd = lambda params: torch.optim.SGD(params, lr=config["lr"])  # noqa: E731
     group = hetccl_ray.get_torch_group()
-    rate = group.planner.link.bytes_per_s if group.planner.link is not None else 1.25e8
+    rate = group.link.bytes_per_s if group.link is not None else 1.25e8  # measured at formation
     pipes = {"speed": Pipeline(make_layers(config), loss_fn, m, sample=sample, border_bytes_per_s=rate, optimizer=sgd)}
     if config["compare"] == "even":
         pipes["even"] = Pipeline(make_layers(config), loss_fn, m, optimizer=sgd,

@@ -113,7 +113,14 @@ def planned(rank: int, world: int) -> dict:
     sample = data(0)[0][:5].repeat(200, 1)
     pipe = Pipeline(layers, loss_fn, 2, sample=sample, border_bytes_per_s=1e12)  # compute only
     even = Pipeline(layers, loss_fn, 2, sample=sample, bounds=(0, 3, 6), border_bytes_per_s=1e12)
-    return {"bounds": list(pipe.bounds), "replanned": even.replan(), "after": list(even.bounds)}
+    unsampled = Pipeline(layers, loss_fn, 2, bounds=(0, 3, 6))
+    try:
+        unsampled.replan()
+        unsampled_error = "no error"
+    except ValueError as exc:
+        unsampled_error = str(exc)
+    return {"bounds": list(pipe.bounds), "replanned": even.replan(), "after": list(even.bounds),
+            "unsampled": unsampled_error}
 
 
 def moved_and_planned(rank: int, world: int, microbatches: int, steps: int, moves: dict) -> dict:

@@ -40,7 +40,7 @@ def test_moving_layers_stays_exact_and_the_split_follows_measured_speed():
     """Layers 2 and 3 move from stage 0 to stage 1 after the first step, then back and one
     more after the third: the weights after 4 SGD steps equal one process's. Then a stage
     rank about twice as slow per layer gets a third of the layers or fewer, when planned and
-    when re-planned from the even split."""
+    when re-planned from the even split; a re-plan with no sample to measure on is refused."""
     steps, microbatches = 4, 2
     results = w.run(pw.moved_and_planned, ["fast", "slow"], "hetccl",
                     args=(microbatches, steps, {1: (0, 2, 6), 3: (0, 5, 6)}))
@@ -55,6 +55,7 @@ def test_moving_layers_stays_exact_and_the_split_follows_measured_speed():
     assert planned[0]["bounds"] == planned[1]["bounds"]  # every rank planned the same split
     assert planned[0]["bounds"][1] in (4, 5), planned  # 6 layers: 4-5 on the fast stage, not 3
     assert planned[0]["replanned"] and planned[0]["after"][1] in (4, 5), planned  # from the even split
+    assert all("Pipeline.replan measures each layer on a sample microbatch" in p["unsampled"] for p in planned)
 
 
 def test_bf16_activations_and_gradients_cross_compressed(monkeypatch):

@@ -91,6 +91,9 @@ class Pipeline:
     def replan(self, margin: float = 0.1) -> bool:
         """Measure again; when a split beats the current one by more than ``margin``, move
         the layers whose stage changes (their weights, exactly) and rebuild. Whether it did."""
+        if self.sample is None:
+            raise ValueError("Pipeline.replan measures each layer on a sample microbatch: give one "
+                             "(Pipeline(..., sample=x)) or set pipe.sample")
         self.costs = self._measured()
         better = stages.replan(self.bounds, self.costs, margin)
         if better is None:

@@ -32,6 +32,7 @@ from hetccl_ray.runtime import collectives, small_round
 from hetccl_ray.core import planner
 from hetccl_ray.islands import shm
 from hetccl_ray.runtime.runner import PlanContext, ScratchPool
+from hetccl_ray.core.costs import LinkCosts
 from hetccl_ray.core.calls import ROW_WIDTH, Call, disagreement
 from hetccl_ray.transport.direct import DirectChannel
 from hetccl_ray.group.formation import form
@@ -178,6 +179,12 @@ class HetCCLGroup(BaseGroup):
     def small_bytes(self) -> dict[str, int]:
         """Per op, the largest buffer (nccl-tests' size) that takes the small round."""
         return self.planner.small_bytes
+
+    @property
+    def link(self) -> Optional[LinkCosts]:
+        """The border's hop and per-rank bandwidth measured and agreed at formation (None where
+        nothing was measured: every rank on one host, or ``small_bytes`` given)."""
+        return self.planner.link
 
     def plan_of(self, op: str, nbytes: int, every_rank_on_host: bool = True, peer: Optional[int] = None) -> str:
         """Which plan a call of ``op`` on ``nbytes`` (nccl-tests' size) takes (``Planner.plan_of``)."""
