@@ -16,6 +16,7 @@ afterwards starts a cluster of its own. Traffic stays inside these namespaces an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import shutil
@@ -215,7 +216,8 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
     except ProcessLookupError:
         pass
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # its last process may have exited just now
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=5)
 
 
