@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -137,9 +136,6 @@ def main() -> None:
     parser.add_argument("--slowed-only", action="store_true", help="only the slowed part (its rounds' ratios)")
     args = parser.parse_args()
     ROUNDS = args.rounds
-    # A local cluster has no pre-emptible nodes, and Ray Train's watcher of them starts a process
-    # ~1 s into each run that takes a rank's core for 2-3 s here (RESULTS.md, "balanced training")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     with LocalCluster(example.ISLANDS, cpu_quota={"fast": None, "slow": SLOW_CORES}, pin_cores=True) as cluster:
         # unmeasured: a cluster's first fit also starts Ray Train's state actor (once per cluster)
         example.fit(example.ISLANDS, balance="even", cluster=cluster, steps=5)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import statistics
 import tempfile
 import time
@@ -104,9 +103,6 @@ def main() -> None:
                         help="CPUs of time the slow island gets (0: no quota, equal islands)")
     args = parser.parse_args()
     config = {"steps": args.steps, "compare": args.compare}
-    # a local cluster has no pre-emptible nodes; Ray Train's watcher of them would start ~1 s in
-    # and share a stage's core while it measures (benchmarks/RESULTS.md, balanced training)
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     with LocalCluster(ISLANDS, cpu_quota={"slow": args.slow_cores or None}, pin_cores=True):
         result = labelled_trainer(train_loop, ISLANDS, config).fit()
     rows = result.metrics["rows"]

@@ -91,6 +91,9 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         os.environ["RAY_AUTH_MODE"] = "disabled"
+        # its nodes cannot be pre-empted: Ray Train's watcher of pre-emption (its own switch) would
+        # start ~1 s into each run and take a worker's core for 2-3 s (RESULTS.md, balanced training)
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
         for i, name in enumerate(self.islands):
             node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus.get(name, 0),
