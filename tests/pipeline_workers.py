@@ -108,8 +108,8 @@ def planned(rank: int, world: int) -> dict:
 
     torch.set_num_threads(1)  # two ranks on two cores: torch's default threads would contend
     layers = make_layers()
-    if rank == 1:  # a slower island: each layer does its work three times (the same result)
-        layers = [_Slowed(layer, 3) for layer in layers]
+    if rank == 1:  # a slower island: each layer does its work five times (the same result)
+        layers = [_Slowed(layer, 5) for layer in layers]
     sample = data(0)[0][:5].repeat(200, 1)
     pipe = Pipeline(layers, loss_fn, 2, sample=sample, border_bytes_per_s=1e12)  # compute only
     even = Pipeline(layers, loss_fn, 2, sample=sample, bounds=(0, 3, 6), border_bytes_per_s=1e12)
