@@ -49,8 +49,9 @@ class FakeFabric:
 
 
 class FakeNic:
-    """FAKE NIC: host memory only; device tensors are staged. ``staged=True`` stages every
-    tensor, as a GPU without dmabuf or peer memory is, so that path runs on the CPU."""
+    """FAKE NIC: registers host memory, which includes the emulated device's (GPUDirect,
+    emulated); ``staged=True`` says device memory is not reachable (a GPU without dmabuf or
+    peer memory), so the runner stages it."""
 
     def __init__(self, fabric: FakeFabric, name: str, staged: bool = False) -> None:
         self.fabric, self.name, self.staged = fabric, name, staged
@@ -58,11 +59,14 @@ class FakeNic:
         self.registered: list[Region] = []
         self.corrupt_rkeys = False  # faults to inject: writes name a wrong rkey;
         self.fail_connect = False   # the RESET -> RTS transition fails
+        self.refuse_registration = False  # every registration fails (a driver that cannot export)
 
     def memory_path(self, device: torch.device) -> str:
         return "host" if device.type == "cpu" and not self.staged else "staged"
 
     def register(self, addr: int, length: int, device: torch.device) -> Region:
+        if self.refuse_registration:
+            raise OSError(f"FAKE NIC {self.name}: registration refused")
         if device.type != "cpu":
             raise ValueError(f"FAKE NIC {self.name} registers host memory only, not {device}")
         key = next(self.fabric.ids)

@@ -17,8 +17,9 @@ import torch
 
 from hetccl_ray.islands.libraries import ranges
 from hetccl_ray.runtime.runner import PlanContext
+from hetccl_ray.memory import devices
 from hetccl_ray.memory.buffers import combine
-from hetccl_ray.errors import HetCCLMismatchError, HetCCLTimeoutError
+from hetccl_ray.errors import HetCCLInputError, HetCCLMismatchError, HetCCLTimeoutError
 from hetccl_ray.core.topology import Topology
 from hetccl_ray.transport.base import Handle, Tag
 from hetccl_ray.transport.tcp import TcpBorder
@@ -133,13 +134,22 @@ class _FakeRecv(Handle):
 
 
 class FakeBorder:
-    """FAKE border: per-pair queues in one process; counts bytes like the real one."""
+    """FAKE border: per-pair queues in one process; counts bytes like the real one. A border
+    moves host memory: given the emulated device memory of ``refuse``, it raises."""
 
-    def __init__(self, wires: dict, rank: int) -> None:
-        self.wires, self.rank = wires, rank
+    def __init__(self, wires: dict, rank: int, refuse: devices.EmulatedDevice | None = None) -> None:
+        self.wires, self.rank, self.refuse = wires, rank, refuse
         self.bytes_sent = self.bytes_received = 0
 
+    def device_memory(self, peer, device):
+        return False
+
+    def _host_only(self, buf, what):
+        if self.refuse is not None and self.refuse.owns(buf):
+            raise HetCCLInputError(f"FAKE border of rank {self.rank}: a {what} of emulated device memory")
+
     def isend(self, peer, buf, tag):
+        self._host_only(buf, "send")
         self.wires[(self.rank, peer)].put((tag, buf.clone()))
         self.bytes_sent += buf.numel() * buf.element_size()
         handle = Handle(peer, "send")
@@ -147,6 +157,7 @@ class FakeBorder:
         return handle
 
     def irecv(self, peer, buf, tag, op=None):
+        self._host_only(buf, "receive")
         return _FakeRecv(self, peer, buf, tag, op)
 
     def close(self):
@@ -170,15 +181,16 @@ def loopback_borders(topo: Topology) -> list[TcpBorder]:
 
 def run_ranks(island_of_rank: Sequence[str], body: Callable[[PlanContext], object],
               max_lanes: int | None = None, piece_bytes: int | None = None,
-              borders: Sequence | None = None) -> tuple[list, list]:
+              borders: Sequence | None = None, device: devices.EmulatedDevice | None = None) -> tuple[list, list]:
     """Run ``body(ctx)`` on one thread per rank; return each rank's result and border.
     With ``piece_bytes``, plans that pipeline do so in pieces of that size; ``borders``
-    (one per rank) replaces the FAKE border, e.g. with an RDMA border on a FAKE NIC."""
+    (one per rank) replaces the FAKE border, e.g. with an RDMA border on a FAKE NIC; with an
+    emulated ``device``, buffers are its memory, each rank's op on a side stream of its own."""
     topo = Topology.from_islands(island_of_rank, max_lanes)
     n = topo.world_size
     hubs = {island.index: FakeIslandHub(island.size) for island in topo.islands}
     wires = {(a, b): queue.SimpleQueue() for a in range(n) for b in range(n)}
-    borders = list(borders) if borders is not None else [FakeBorder(wires, r) for r in range(n)]
+    borders = list(borders) if borders is not None else [FakeBorder(wires, r, device) for r in range(n)]
     results: list = [None] * n
     errors: list = []
 
@@ -188,6 +200,8 @@ def run_ranks(island_of_rank: Sequence[str], body: Callable[[PlanContext], objec
                           borders[rank], Tag(1, 0, 0), deadline=time.monotonic() + 60)
         if piece_bytes is not None:
             ctx.pipeline, ctx.piece_bytes = ThreadPoolExecutor(1), piece_bytes
+        if device is not None:
+            ctx.device, ctx.stream = device, device.new_stream()
         try:
             results[rank] = body(ctx)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread

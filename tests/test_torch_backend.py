@@ -52,6 +52,21 @@ def test_work_wait_orders_the_stream_and_future_means_data_is_there():
         torch.testing.assert_close(out["reduce_scatter_tensor"], expect)
 
 
+def test_an_op_waits_for_its_callers_stream_at_the_call_and_wait_leaves_the_host_free():
+    """Issue 43's torch backend: the entry event is recorded on the calling thread at the call
+    (the op started after whatever the caller queued later, 3 s here), and ``Work.wait()`` makes
+    the caller's stream wait without blocking the host (it blocked until the late rank came)."""
+    world = len(ISLANDS)
+    results = w.run(w.caller_stream_delayed, ISLANDS, "hetccl", emulated=(0, 1))
+    for out in results:
+        torch.testing.assert_close(out["x"], torch.full((6,), float(sum(range(1, world + 1)))))
+        torch.testing.assert_close(out["y"], torch.full((6,), float(sum(range(10, 10 + world)))))
+    for out in results[:2]:
+        assert out["wait_s"] < 0.5, out  # the late rank calls 1.5 s in
+        assert 1.0 < out["done_s"] < 2.8, out  # done once the late rank came, not after the 3 s
+        assert out["read_s"] >= 3.0, out  # the read queued after the 3 s
+
+
 def test_fsdp_matches_gloo():
     hetccl = w.run(w.fsdp, ISLANDS, "hetccl")
     gloo = w.run(w.fsdp, ISLANDS, "gloo")

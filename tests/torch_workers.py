@@ -199,6 +199,41 @@ def stream_ordered(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def caller_stream_delayed(rank: int, world: int) -> dict[str, Any]:
+    """Emulated-device ranks whose host reads go on the stream, as CUDA code's do: an op does
+    not wait for work its caller queued after the call (3 s queued after two calls), and
+    ``wait()`` returns while the op still waits for a late rank (the last one, 1.5 s late),
+    the caller's stream, not the host, waiting for it."""
+    from hetccl_ray.memory import devices
+
+    emu = devices.emulated()
+    out: dict[str, Any] = {}
+    x, y = torch.zeros(6), torch.zeros(6)
+    if emu is None:  # the late CPU rank
+        x.fill_(rank + 1)
+        y.fill_(rank + 10)
+        time.sleep(1.5)
+        dist.all_reduce(x)
+        dist.all_reduce(y)
+        return {"x": x, "y": y}
+    emu.ordered_host_ops = True  # this caller reads results on the stream only
+    emu.launch(None, x.fill_, float(rank + 1))
+    emu.launch(None, y.fill_, float(rank + 10))
+    first = dist.all_reduce(x, async_op=True)
+    second = dist.all_reduce(y, async_op=True)
+    emu.launch(None, time.sleep, 3.0)  # queued after both calls
+    started = time.monotonic()
+    first.wait()
+    second.wait()
+    out["wait_s"] = time.monotonic() - started  # the host did not wait for the late rank
+    second.get_future().wait()
+    out["done_s"] = time.monotonic() - started  # nor did the ops wait for the 3 s queued after them
+    emu.launch(None, lambda: out.update(x=x.clone(), y=y.clone()))
+    emu.host_wait(None, time.monotonic() + 60, "test reads")
+    out["read_s"] = time.monotonic() - started
+    return out
+
+
 def _nothing():
     import contextlib
 

@@ -48,14 +48,16 @@ class _Work(dist.Work):
     """An op running on the process group's thread; ``wait`` raises what the op raised.
 
     ``launched`` completes when the op's host part is done (its device work launched, its
-    ``done`` event recorded); ``future`` when the data is there (the host waited for ``done``).
+    ``done`` event recorded); ``future`` when the data is there (the host waited for ``done``),
+    and ``finished`` is set then (or on failure).
     """
 
-    def __init__(self, device: devices.Device) -> None:
+    def __init__(self, device: devices.Device, timeout_s: float) -> None:
         super().__init__()
-        self.device = device
+        self.device, self.timeout_s = device, timeout_s
         self.launched: Future = Future()
         self.future: torch.futures.Future = torch.futures.Future()
+        self.finished = devices.HostFlag()
         self.posted = False  # a posted send/recv: launched once posted, done once transferred
         self.done: devices.EventLike | None = None
         self.returned: object = None  # what the op returned: a receive from any source, its source
@@ -65,12 +67,22 @@ class _Work(dist.Work):
         return int(self.returned)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        """As NCCL's: on device tensors the current stream waits for the op and the host goes
+        on, even while the op still moves bytes on the group's thread (a device whose host ops
+        are not stream-ordered, the emulated one, waits on the host); an error the op already
+        raised is raised here, a later one by the next op or the future."""
+        device = self.device
+        if not self.posted and not device.host and device.ordered_host_ops and \
+                device.wait_for_host(device.current_stream(), self.finished, self.timeout_s):
+            if self.launched.done():
+                self.launched.result()
+            return True
         self.launched.result()  # re-raises the op's exception
         if self.posted:
             self.future.wait()
         if self.done is not None:
-            self.device.current_stream().wait(self.done)  # the waiting stream, not the host, waits
-            if not self.device.ordered_host_ops:  # host code after wait() reads it at once
+            device.current_stream().wait(self.done)  # the waiting stream, not the host, waits
+            if not device.ordered_host_ops:  # host code after wait() reads it at once
                 self.future.wait()
         return True
 
@@ -96,6 +108,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
                                  options=GroupOptions(timeout_s=max(timeout.total_seconds(), 1.0)))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-c10d-{rank}")
         self._completer = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-c10d-done-{rank}")
+        self._streams: dict[devices.Device, devices.StreamLike | None] = {}
         self._name = name
 
     def getBackendName(self) -> str:
@@ -112,22 +125,27 @@ class HetCCLProcessGroup(dist.ProcessGroup):
 
     def _async(self, result: object, fn: Callable[[], object], posted: bool = False) -> "dist.Work":
         """Run ``fn`` on the group's thread; device tensors in ``result`` order it after the
-        caller's current stream (captured now, on the calling thread). ``posted``: ``fn`` only
-        posts transfers and returns their waits, which run after it (the Work is done then)."""
+        work on the caller's current stream so far (an event recorded now, on the calling
+        thread), its device work launched on the group's stream. ``posted``: ``fn`` only posts
+        transfers and returns their waits, which run after it (the Work is done then)."""
         first = next((t for t in _tensors(result) if isinstance(t, torch.Tensor)), None)
         device = devices.of(first) if first is not None else devices.HOST
-        caller = device.current_stream()
-        work = _Work(device)
+        entry = device.mark()
+        work = _Work(device, self.group.options.timeout_s)
         work.posted = posted
 
         def run() -> None:
+            ours = self._stream_of(device)
             try:
-                with device.using(caller):
+                with device.using(ours):
+                    if entry is not None:
+                        ours.wait(entry)
                     work.returned = fn()
-                    work.done = caller.record() if caller is not None else None
+                    work.done = ours.record() if ours is not None else None
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 work.launched.set_exception(exc)
                 work.future.set_exception(exc)
+                work.finished.set()
                 return
             work.launched.set_result(None)
             self._completer.submit(complete)
@@ -141,9 +159,18 @@ class HetCCLProcessGroup(dist.ProcessGroup):
                 work.future.set_result(result)
             except BaseException as exc:  # noqa: BLE001
                 work.future.set_exception(exc)
+            finally:
+                work.finished.set()
 
         self._worker.submit(run)
         return work
+
+    def _stream_of(self, device: devices.Device) -> devices.StreamLike | None:
+        """The process group's stream on ``device``, where its ops start (None on host memory);
+        only the group's thread uses it."""
+        if device not in self._streams:
+            self._streams[device] = device.new_stream()
+        return self._streams[device]
 
     @staticmethod
     def _launch(tensor: torch.Tensor, fn: Callable, *args) -> None:

@@ -418,17 +418,16 @@ class HetCCLGroup(BaseGroup):
         staged = op.staged
         if ctx.host_path:
             return self._small(ctx, op.call, plan, *staged)
-        ctx.host_wait()
         hosts = [self._scratch.host(("staged", i), t, ctx.device) for i, t in enumerate(staged)]
-        with ctx.device.using(ctx.stream):
-            for host, t in zip(hosts, staged):
-                host.copy_(t)
+        for host, t in zip(hosts, staged):
+            ctx.launch(devices.stage_out, host, t)
+        ctx.host_wait()
         # the round's landings are host work on host copies: launched on the stream they would run
         # after its next send had read the buffer they fill (a leader sent its island's total unfolded)
         problem = self._small(dataclasses.replace(ctx, device=devices.HOST, stream=None), op.call, plan, *hosts)
         if problem is None:
             for host, t in zip(hosts, staged):
-                ctx.launch(lambda dst, src: dst.copy_(src, non_blocking=True), t, host)
+                ctx.launch(devices.land, t, host, None)
         return problem
 
     def _explain(self, exc: BaseException, where: str, seq: int, peer: Optional[int]) -> HetCCLError:

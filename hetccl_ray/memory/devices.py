@@ -28,11 +28,13 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from hetccl_ray.errors import HetCCLError, HetCCLTimeoutError
+from hetccl_ray.memory import buffers
 
 # device classes as carried in call rows (calls.py): index = code
 KINDS = ("cpu", "emu", "cuda", "xpu", "hpu", "npu", "mps", "other")
@@ -51,6 +53,25 @@ class StreamLike:
 
     def record(self) -> EventLike: ...
     def wait(self, event: EventLike) -> None: ...
+
+
+class HostFlag(EventLike):
+    """Set by the host once the work it stands for is done on the device. A stream can be made
+    to wait for it (:meth:`Device.wait_for_host`) before that work is even launched: what an
+    op's ``Work.wait()`` gives the caller's stream while the op still runs on the host."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+
+    def set(self) -> None:
+        self._set.set()
+
+    def query(self) -> bool:
+        return self._set.is_set()
+
+    def synchronize(self, deadline: float, what: str) -> None:
+        if not self._set.wait(max(deadline - time.monotonic(), 0.0)):
+            raise HetCCLTimeoutError(f"{what}: not done before the deadline")
 
 
 class Device:
@@ -86,6 +107,11 @@ class Device:
     def host_wait(self, stream: Optional[StreamLike], deadline: float, what: str) -> None:
         """Block the host until ``stream`` has done everything launched on it so far."""
 
+    def wait_for_host(self, stream: Optional[StreamLike], flag: HostFlag, timeout_s: float) -> bool:
+        """Make ``stream`` wait (on the device, the host not blocked) until ``flag`` is set, or
+        ``timeout_s`` passed; False where this device cannot (the caller waits on the host)."""
+        return False
+
     @contextlib.contextmanager
     def using(self, stream: Optional[StreamLike]) -> Iterator[None]:
         """Make ``stream`` current on this thread (kernels the host starts go there)."""
@@ -115,6 +141,24 @@ class Device:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Host memory for staging (pinned where the device copies from it faster)."""
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of this device's memory."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def stage_out(host: torch.Tensor, buf: torch.Tensor) -> None:
+    """Device work: ``buf``'s bytes into the host buffer ``host`` (of its dtype and size)."""
+    host.copy_(buf, non_blocking=True)
+
+
+def land(out: torch.Tensor, part: torch.Tensor, op: Optional[str]) -> None:
+    """Device work: ``part`` (host or device memory) into ``out``, copied, or folded with ``op``."""
+    part = part.to(out.device, non_blocking=True)
+    if op is None:
+        buffers.copy(out, part)
+    else:
+        buffers.combine(out, part, op)
 
 
 class HostDevice(Device):
@@ -190,6 +234,13 @@ class TorchDevice(Device):
         if stream is not None:
             stream.record().synchronize(deadline, what)
 
+    def wait_for_host(self, stream: Optional[StreamLike], flag: HostFlag, timeout_s: float) -> bool:
+        """On CUDA, a host function on the stream (the driver's ``cuLaunchHostFunc``) that
+        returns once ``flag`` is set: it makes no CUDA call, as host functions must not."""
+        if stream is None or self.kind != "cuda" or getattr(torch.version, "hip", None):
+            return False
+        return _launch_host_function(stream.stream.cuda_stream, lambda: flag._set.wait(timeout_s))
+
     @contextlib.contextmanager
     def using(self, stream: Optional[StreamLike]) -> Iterator[None]:
         with self._module.device(self.device):  # also gives a bare thread the device's context
@@ -201,6 +252,9 @@ class TorchDevice(Device):
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
 
 # -- the emulated stream-ordered device (a named FAKE) ---------------------------------------------
@@ -256,7 +310,8 @@ class EmulatedStream(StreamLike):
 
     def wait(self, event: EventLike) -> None:
         def block() -> None:
-            if isinstance(event, EmulatedEvent) and not event._reached.wait(self._WAIT_LIMIT_S):
+            reached = event._reached if isinstance(event, EmulatedEvent) else event._set
+            if not reached.wait(self._WAIT_LIMIT_S):
                 raise HetCCLTimeoutError("an emulated stream waited over 600 s for an event")
         self._work.put(block)
 
@@ -273,6 +328,21 @@ class EmulatedDevice(Device):
         self.delay_s = delay_s
         self.default = EmulatedStream(delay_s, "default")
         self._current = threading.local()
+        self._host: dict[int, int] = {}  # host buffers (their storage's address: size), not device memory
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Host memory: what :func:`of` tells from the emulated device's (every other CPU tensor
+        of this process), so host staging is seen as host memory, as a pinned buffer is."""
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        storage = buf.untyped_storage()  # one Python object per storage, alive while any view is
+        with _lock:
+            self._host[storage.data_ptr()] = nbytes
+        weakref.finalize(storage, self._host.pop, storage.data_ptr(), None)
+        return buf
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (a CPU tensor) is emulated device memory, not a host buffer."""
+        return not self._host or tensor.untyped_storage().data_ptr() not in self._host
 
     def current_stream(self) -> EmulatedStream:
         return getattr(self._current, "stream", None) or self.default
@@ -286,6 +356,10 @@ class EmulatedDevice(Device):
     def host_wait(self, stream: Optional[StreamLike], deadline: float, what: str) -> None:
         (stream or self.current_stream()).record().synchronize(deadline, what)
 
+    def wait_for_host(self, stream: Optional[StreamLike], flag: HostFlag, timeout_s: float) -> bool:
+        (stream or self.current_stream()).wait(flag)
+        return True
+
     @contextlib.contextmanager
     def using(self, stream: Optional[StreamLike]) -> Iterator[None]:
         before = getattr(self._current, "stream", None)
@@ -294,6 +368,33 @@ class EmulatedDevice(Device):
             yield
         finally:
             self._current.stream = before
+
+
+_host_functions: set = set()  # callbacks the driver holds until they ran
+
+
+def _launch_host_function(stream_handle: int, fn: Callable[[], Any]) -> bool:
+    """Queue ``fn`` on a CUDA stream (the driver API's ``cuLaunchHostFunc``, which takes the
+    runtime's stream handles); False where the driver offers no such call."""
+    import ctypes
+
+    try:
+        launch = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+    except (OSError, AttributeError):
+        return False
+
+    def run(_: Any) -> None:
+        try:
+            fn()
+        finally:
+            _host_functions.discard(callback)
+
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(run)
+    _host_functions.add(callback)
+    if launch(ctypes.c_void_p(stream_handle), callback, None) != 0:
+        _host_functions.discard(callback)
+        return False
+    return True
 
 
 HOST = HostDevice()
@@ -326,7 +427,8 @@ def emulated() -> Optional[EmulatedDevice]:
 def of(tensor: torch.Tensor) -> Device:
     """The device that owns ``tensor``'s memory."""
     if tensor.device.type == "cpu":
-        return emulated() or HOST
+        emu = emulated()
+        return emu if emu is not None and emu.owns(tensor) else HOST
     with _lock:
         if tensor.device not in _torch_devices:
             _torch_devices[tensor.device] = TorchDevice(tensor.device)

@@ -28,6 +28,7 @@ import torch
 
 from hetccl_ray.core import opkinds, routes, plans
 from hetccl_ray.runtime import small_round
+from hetccl_ray.memory import devices
 from hetccl_ray.memory.buffers import copy, view
 from hetccl_ray.core.planner import ISLAND, PULL, SOCKET, AllToAll
 from hetccl_ray.islands.libraries import IslandComm
@@ -193,17 +194,16 @@ def recv(ctx: PlanContext, buf: torch.Tensor, peer: int) -> None:
         ctx.island.recv(buf, ctx.topo.local_rank(peer))
     elif ctx.route in (PULL, SOCKET):
         ctx.host_wait()
-        handle = ctx.direct.irecv(peer, buf, ctx.tag, flexible=True)
+        into = buf if ctx.device.host else ctx.scratch.host("message", buf, ctx.device)  # the socket's: host memory
+        handle = ctx.direct.irecv(peer, into, ctx.tag, flexible=True)
         ctx.wait(handle)
-        landed = spilled(handle, buf)
-        if landed is None:  # the bytes themselves
-            return
-        address, nbytes = landed
-        if address is None or nbytes != buf.nbytes:
-            raise mismatch(ctx.rank, ctx.tag, buf.nbytes, peer, ctx.tag, nbytes)
-        into = buf if ctx.host_path else torch.empty(buf.shape, dtype=buf.dtype)
-        ctx.shared.pull_message(peer, into, address)
+        landed = spilled(handle, into)
+        if landed is not None:
+            address, nbytes = landed
+            if address is None or nbytes != buf.nbytes:
+                raise mismatch(ctx.rank, ctx.tag, buf.nbytes, peer, ctx.tag, nbytes)
+            ctx.shared.pull_message(peer, into, address)
         if into is not buf:
-            ctx.launch(copy, buf, into)
+            ctx.launch(devices.land, buf, into, None)
     else:
         ctx.exchange(sends=[], recvs=[(peer, buf)])

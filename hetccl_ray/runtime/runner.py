@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
-from hetccl_ray.memory import buffers
+from hetccl_ray.memory import buffers, devices
 from hetccl_ray.memory.buffers import combine, copy, view
 from hetccl_ray.core import opkinds
 from hetccl_ray.core.planner import BORDER
@@ -38,7 +38,7 @@ class ScratchPool(buffers.ScratchPool):
 
     def host(self, slot: object, like: torch.Tensor, device: Device) -> torch.Tensor:
         """Host memory for a copy of ``like`` (pinned where ``device`` copies from it faster)."""
-        return self.grown(("host", slot, like.dtype), like.numel(),
+        return self.grown(("host", slot, like.dtype, device.kind), like.numel(),
                           lambda size: device.host_buffer(max(size, 1) * like.element_size()).view(like.dtype))
 
 
@@ -101,13 +101,44 @@ class PlanContext:
         """Post all receives and sends at once, then wait for all before the deadline. A
         receive ``(peer, buf, op)`` reduces into ``buf`` as the data lands (one such receive
         per buffer: receptions run concurrently). Over ``border`` (default: the op's), in
-        order per peer."""
+        order per peer. Transports move host memory (and device memory a border takes as it
+        is): device buffers are staged here, by device work on the op's stream."""
         border = border or self.border
+        lands: list[tuple[torch.Tensor, torch.Tensor, Optional[str]]] = []
+        if not self.device.host:
+            sends, recvs, lands = self._through_host(sends, recvs, border)
         self.host_wait()  # the producing work is done, and no pending kernel still reads a buffer we fill
         handles = [border.irecv(peer, buf, self.tag, *op) for peer, buf, *op in recvs if buf.numel()]
         handles += [border.isend(peer, buf, self.tag) for peer, buf in sends if buf.numel()]
         for handle in handles:
             self.wait(handle)
+        for out, landed, op in lands:
+            self.launch(devices.land, out, landed, op)
+
+    def _through_host(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[Recv], border: Border
+                      ) -> tuple[list[tuple[int, torch.Tensor]], list[Recv], list[tuple]]:
+        """Device buffers of an exchange as the border moves them: copied down to host memory
+        on the op's stream before they are sent, received into host memory (or device scratch,
+        where the border moves device memory but a receive folds) and landed on the op's stream
+        after; the host memory of one exchange is free again once the next one's host wait returns."""
+        staged_sends = []
+        for i, (peer, buf) in enumerate(sends):
+            if buf.numel() and not border.device_memory(peer, self.device):
+                host = self.scratch.host(("out", i), buf, self.device)
+                self.launch(devices.stage_out, host, buf)
+                buf = host
+            staged_sends.append((peer, buf))
+        staged_recvs, lands = [], []
+        for i, (peer, buf, *op) in enumerate(recvs):
+            as_is = not buf.numel() or border.device_memory(peer, self.device)
+            if as_is and not op:
+                staged_recvs.append((peer, buf))
+                continue
+            landing = self.scratch.get(("in", i), buf.numel(), buf) if as_is else \
+                self.scratch.host(("in", i), buf, self.device)
+            staged_recvs.append((peer, landing))
+            lands.append((buf, landing, op[0] if op else None))
+        return staged_sends, staged_recvs, lands
 
     def wait(self, handle: Handle) -> None:
         """Wait for one transfer before the op's deadline; a timeout names the peer waited for."""
@@ -242,7 +273,7 @@ class _Run:
                 recvs += [(peer, view) for view in views]
         ctx.exchange(self._sends(step), recvs)
         for packed, views in unpack:
-            _unpack(packed, views)
+            ctx.launch(_unpack, packed, views)  # after the landings, on the op's stream
         self.steps(step.lands)
 
     def fold(self, step: FoldStep) -> None:

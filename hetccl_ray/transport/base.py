@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -119,18 +119,25 @@ class Handle:
 
 
 class Border(Protocol):
-    """Point-to-point transfers between group ranks, duplex and asynchronous."""
+    """Point-to-point transfers between group ranks, duplex and asynchronous. A border moves
+    bytes and nothing else: host memory, or device memory it reads and writes as it is
+    (``device_memory``); it launches no device work and waits for none (the runner stages
+    device buffers and orders them on the op's stream)."""
 
     rank: int
     bytes_sent: int
     bytes_received: int
 
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
-        """Post a send of the contiguous tensor ``buf`` to ``peer``."""
+        """Post a send of the contiguous tensor ``buf`` to ``peer`` (its bytes ready to read)."""
 
     def irecv(self, peer: int, buf: torch.Tensor, tag: Tag, op: Optional[str] = None) -> Handle:
         """Post a receive from ``peer`` straight into the contiguous tensor ``buf``; with a
-        reduce ``op``, reduce what arrives into ``buf`` instead, piece by piece."""
+        reduce ``op`` (host memory only), reduce what arrives into ``buf`` instead, piece by piece."""
+
+    def device_memory(self, peer: int, device: Any) -> bool:
+        """Whether transfers with ``peer`` move memory of ``device`` (a ``devices.Device``) as it
+        is (GPUDirect RDMA); if not, only host memory."""
 
     def close(self) -> None:
         """Close every connection and stop every thread."""

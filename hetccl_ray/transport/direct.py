@@ -39,13 +39,14 @@ class DirectChannel:
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, transfer: int) -> None:
         """Send ``tensors`` (ready to read: their producer's work is done) to ``peer``."""
-        self._run("send", _messages(tensors), peer, transfer)
+        self._run("send", _messages(_on_host(tensors, self.timeout_s)), peer, transfer)
 
     def recv(self, buffers: Sequence[torch.Tensor], peer: int, transfer: int) -> None:
         """Receive transfer ``transfer`` from ``peer`` into ``buffers`` (contiguous, the sender's
         shapes and dtypes, on any device); their bytes are there for any stream on return."""
-        self._run("recv", _messages(buffers), peer, transfer)
-        _visible(buffers, self.timeout_s)
+        hosts = _landings(buffers)
+        self._run("recv", _messages(hosts), peer, transfer)
+        _land(buffers, hosts, self.timeout_s)
 
     def send_shaped(self, tensor: torch.Tensor, peer: int, transfer: int) -> None:
         """Send one tensor whose shape and dtype the receiver does not know: they ride as
@@ -56,7 +57,7 @@ class DirectChannel:
                                    f"messages take up to {_MAX_DIMS} dims of {[str(d) for d in _DTYPES]}")
         shape = _SHAPE.pack(_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape,
                             *[0] * (_MAX_DIMS - tensor.dim()))
-        self._run("send", [(0, _NO_PAYLOAD, shape)] + _messages([tensor], first=1),
+        self._run("send", [(0, _NO_PAYLOAD, shape)] + _messages(_on_host([tensor], self.timeout_s), first=1),
                   peer, transfer)
 
     def recv_shaped(self, peer: int, transfer: int, device: torch.device) -> torch.Tensor:
@@ -73,8 +74,9 @@ class DirectChannel:
         transfer = header.tag.seq
         dtype, ndim, *dims = _SHAPE.unpack(header.extra)
         out = torch.empty(dims[:ndim], dtype=_DTYPES[dtype], device=device)
-        self._run("recv", _messages([out], first=1), peer, transfer)
-        _visible([out], self.timeout_s)
+        hosts = _landings([out])
+        self._run("recv", _messages(hosts, first=1), peer, transfer)
+        _land([out], hosts, self.timeout_s)
         return transfer, out
 
     def abort(self, peer: int, transfer: int, why: str) -> None:
@@ -122,8 +124,35 @@ def _messages(tensors: Sequence[torch.Tensor], first: int = 0) -> list[tuple[int
     return [(first + i, t.reshape(-1), b"") for i, t in enumerate(tensors) if t.numel()]
 
 
-def _visible(buffers: Sequence[torch.Tensor], timeout_s: float) -> None:
-    """Received device bytes are there for any stream (the copies ran on this thread's): one
-    host wait per device, not per tensor."""
-    for buf in {buf.device: buf for buf in buffers}.values():
-        devices.synchronize(buf, timeout_s)
+def _on_host(tensors: Sequence[torch.Tensor], timeout_s: float) -> list[torch.Tensor]:
+    """The tensors' bytes in host memory (the border moves host bytes): device tensors copied
+    down on their device's current stream, waited for once per device."""
+    hosts = _landings(tensors)
+    for t, host in zip(tensors, hosts):
+        if host is not t:
+            devices.of(t).launch(None, devices.stage_out, host, t)
+    _wait_devices([t for t, host in zip(tensors, hosts) if host is not t], timeout_s)
+    return hosts
+
+
+def _landings(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host memory for each device buffer's bytes (host buffers as they are)."""
+    hosts = []
+    for buf in buffers:
+        device = devices.of(buf)
+        hosts.append(buf if device.host else device.host_buffer(buf.nbytes).view(buf.dtype).view(buf.shape))
+    return hosts
+
+
+def _land(buffers: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor], timeout_s: float) -> None:
+    """Received host bytes into their device buffers, there for any stream on return."""
+    for buf, host in zip(buffers, hosts):
+        if host is not buf:
+            devices.of(buf).launch(None, devices.land, buf, host, None)
+    _wait_devices([buf for buf, host in zip(buffers, hosts) if host is not buf], timeout_s)
+
+
+def _wait_devices(tensors: Sequence[torch.Tensor], timeout_s: float) -> None:
+    """Wait for the current stream of each tensor's device, once per device."""
+    for t in {t.device: t for t in tensors}.values():
+        devices.synchronize(t, timeout_s)

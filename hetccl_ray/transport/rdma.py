@@ -16,6 +16,7 @@ an in-process FAKE in the tests.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 DEPTH = 8  # writes in flight per queue pair
+FREE_BYTES = 256 << 20  # landing buffers kept for reuse between transfers, at most
 CONTROL_SLOTS = 32  # posted receives per queue pair (control messages and write arrivals)
 _WAIT_S = 0.05  # how often blocked threads look at the closed flag
 
@@ -158,15 +160,17 @@ class MRCache:
     """Memory regions registered once per tensor storage and found again by address range.
 
     An entry holds a reference to its storage, so the memory cannot be freed and reused
-    at the same address while the NIC may still write to it; least recently used
-    entries are deregistered past ``capacity_bytes``.
+    at the same address while the NIC may still write to it. A transfer holds its regions
+    (:meth:`hold` ... :meth:`release`); past ``capacity_bytes`` the least recently used
+    entries that no transfer holds are deregistered.
     """
 
     def __init__(self, register: Callable[[int, int, torch.device], Region], deregister: Callable[[Region], None],
-                 capacity_bytes: int = 8 << 30) -> None:
+                 capacity_bytes: int = 1 << 30) -> None:
         self._register, self._deregister = register, deregister
         self.capacity_bytes = capacity_bytes
         self._entries: "OrderedDict[tuple[str, int], tuple[Region, Any]]" = OrderedDict()
+        self._held: collections.Counter = collections.Counter()  # entry key -> transfers using it now
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -176,6 +180,10 @@ class MRCache:
 
     def region(self, tensor: torch.Tensor) -> Region:
         """The region that covers ``tensor``'s bytes, registering its storage if none does."""
+        return self.hold(tensor, count=False)
+
+    def hold(self, tensor: torch.Tensor, count: bool = True) -> Region:
+        """:meth:`region`, held by a transfer until :meth:`release` (never deregistered meanwhile)."""
         storage = tensor.untyped_storage()
         base, size = storage.data_ptr(), storage.nbytes()
         addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -185,16 +193,30 @@ class MRCache:
             if entry is not None and entry[0].addr <= addr and addr + nbytes <= entry[0].addr + entry[0].length:
                 self._entries.move_to_end(key)
                 self.hits += 1
-                return entry[0]
-            if entry is not None:  # the storage grew (resize_): register it anew
+            else:
+                if entry is not None and not self._held[key]:  # the storage grew (resize_): register it anew
+                    self._deregister(self._entries.pop(key)[0])
+                self.misses += 1
+                self._entries[key] = (self._register(base, size, tensor.device), storage)
+                self._evict(keep=key)
+            self._held[key] += count
+            return self._entries[key][0]
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """A transfer that held ``tensor``'s region is done with it."""
+        key = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        with self._lock:
+            self._held[key] -= 1
+            if self._held[key] <= 0:
+                del self._held[key]
+            self._evict()
+
+    def _evict(self, keep: Optional[tuple[str, int]] = None) -> None:
+        for key in list(self._entries):
+            if self.registered_bytes <= self.capacity_bytes:
+                return
+            if key != keep and not self._held[key]:
                 self._deregister(self._entries.pop(key)[0])
-            self.misses += 1
-            region = self._register(base, size, tensor.device)
-            self._entries[key] = (region, storage)
-            while self.registered_bytes > self.capacity_bytes and len(self._entries) > 1:
-                _, (old, _) = self._entries.popitem(last=False)
-                self._deregister(old)
-            return region
 
     def clear(self) -> None:
         with self._lock:
@@ -254,7 +276,7 @@ class _Link:
         self.incoming: dict[int, _Incoming] = {}
         self.credits = threading.Semaphore(border.depth)
         self.control = torch.zeros(2 * CONTROL_SLOTS, CONTROL_SIZE, dtype=torch.uint8)
-        self.control_region = border.mrs.region(self.control)
+        self.control_region = border.mrs.hold(self.control)  # held for the link's life
         self.send_slots: "queue.Queue[int]" = queue.Queue()
         for slot in range(CONTROL_SLOTS, 2 * CONTROL_SLOTS):
             self.send_slots.put(slot)
@@ -314,11 +336,9 @@ class _Link:
 
     def post_incoming(self, handle: Handle, tag: Tag, buf: torch.Tensor, op: Optional[str]) -> None:
         nbytes = buf.numel() * buf.element_size()
-        direct = op is None and self.border.nic.memory_path(buf.device) != "staged"
-        with devices.of(buf).using(None):  # a device's context on this thread (dmabuf export needs one)
-            region = self._region(buf) if direct else None
-        landing = buf if region is not None else self.border.take_host(nbytes)  # one per transfer
-        region = region or self.border.mrs.region(landing)
+        landing = buf if op is None else self.border.take_host(nbytes)  # one per transfer
+        with devices.of(landing).using(None):  # a device's context on this thread (dmabuf export needs one)
+            region = self.border.mrs.hold(landing)
         chunk = max(self.border.chunk_bytes // buf.element_size(), 1) * buf.element_size()
         xfer = next(self.xfers)
         self.incoming[xfer] = _Incoming(handle, tag, buf, landing, op, chunks(nbytes, chunk))
@@ -330,29 +350,12 @@ class _Link:
         item = self.incoming[xfer]
         offset, length = item.spans[item.arrived]
         item.arrived += 1
-        if item.landing is not item.buf:
+        if item.op is not None:  # host memory: folded here, chunk by chunk
             size = item.buf.element_size()
             landed = item.landing.view(torch.uint8)[offset:offset + length].view(item.buf.dtype)
-            piece = item.buf.reshape(-1)[offset // size:(offset + length) // size]
-            landed = landed.to(piece.device)
-            if item.op is None:
-                piece.copy_(landed)
-            else:
-                combine(piece, landed, item.op)
+            combine(item.buf.reshape(-1)[offset // size:(offset + length) // size], landed, item.op)
         if item.arrived == len(item.spans):
             self._finish_incoming(xfer)
-
-    def _region(self, buf: torch.Tensor) -> Optional[Region]:
-        """``buf``'s memory region, or None where device memory cannot be registered (then it
-        is staged through host memory instead of failing the transfer)."""
-        try:
-            return self.border.mrs.region(buf)
-        except Exception as exc:  # noqa: BLE001 - a verbs or driver error: staging always works
-            if buf.device.type == "cpu":
-                raise
-            logger.warning("%s: registering %s memory failed (%s); staging through host memory",
-                           self.where(), buf.device, exc)
-            return None
 
     def _finish_incoming(self, xfer: int) -> None:
         item = self.incoming.pop(xfer)
@@ -361,6 +364,7 @@ class _Link:
         item.handle.finish()
 
     def _release(self, item: "_Incoming") -> None:
+        self.border.mrs.release(item.landing)
         if item.landing is not item.buf:
             self.border.give_host(item.landing)
 
@@ -400,9 +404,7 @@ class _Link:
         if not spans:
             handle.finish()
             return
-        region = self._region(buf) if self.border.nic.memory_path(buf.device) != "staged" else None
-        source = buf if region is not None else self.border.take_host(nbytes)  # one per transfer
-        region = region or self.border.mrs.region(source)
+        region = self.border.mrs.hold(buf)
         left = [len(spans)]
 
         def written(completion: Completion) -> None:
@@ -412,18 +414,14 @@ class _Link:
                 return
             left[0] -= 1
             if left[0] == 0:
-                if source is not buf:
-                    self.border.give_host(source)  # every write that read it has completed
+                self.border.mrs.release(buf)  # every write that read it has completed
                 self.border.count(sent=nbytes)
                 handle.finish()
 
-        flat = buf.reshape(-1).view(torch.uint8)
         for offset, length in spans:
             self._take_credit()
-            if source is not buf:  # device memory the NIC cannot reach: through pinned host memory
-                source[offset:offset + length].copy_(flat[offset:offset + length])
             wr_id = self.border.router.expect(written)
-            self.qp.post_write_imm(region, region.at(source.data_ptr()) + offset, length, cts.addr + offset,
+            self.qp.post_write_imm(region, region.at(buf.data_ptr()) + offset, length, cts.addr + offset,
                                    cts.rkey, cts.xfer, wr_id)
 
     def _take_credit(self) -> None:
@@ -474,6 +472,7 @@ class RdmaBorder(ByteCounter):
         self.mrs = MRCache(nic.register, nic.deregister)
         self._links: dict[int, _Link] = {}
         self._free: list[torch.Tensor] = []  # host buffers no transfer uses now
+        self.device_paths: dict[str, str] = {}  # device kind -> how its memory reaches the NIC (once tried)
         self._buffers_lock = threading.Lock()
         self._lock = threading.Lock()
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name=f"hetccl-rdma-poll-{rank}")
@@ -496,23 +495,48 @@ class RdmaBorder(ByteCounter):
             link.post_incoming(handle, tag, buf, op)
         return handle
 
+    def device_memory(self, peer: int, device: Any) -> bool:
+        """Whether the NIC registers ``device``'s memory (dmabuf or peer memory), tried once per
+        device kind on a small buffer: a registration that fails is said once and the runner
+        stages that device's buffers through host memory (``device_paths`` says "staged")."""
+        with self._lock:
+            if device.kind not in self.device_paths:
+                self.device_paths[device.kind] = self._probe(device)
+            return self.device_paths[device.kind] != "staged"
+
+    def _probe(self, device: Any) -> str:
+        probe = device.buffer(4096)
+        path = self.nic.memory_path(probe.device)
+        if path == "staged":
+            return path
+        try:
+            with device.using(None):  # the device's context on this thread (dmabuf export needs one)
+                self.nic.deregister(self.nic.register(probe.data_ptr(), probe.numel(), probe.device))
+            return path
+        except Exception as exc:  # noqa: BLE001 - a verbs or driver error: staging always works
+            logger.warning("RDMA %s: registering %s memory (%s) failed (%s); its buffers are staged through host "
+                           "memory", self.nic.name, device.kind, path, exc)
+            return "staged"
+
     def take_host(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of ``nbytes`` (pinned where CUDA is) that no transfer in flight uses:
-        where a partial lands before it is reduced, or a device tensor the NIC cannot read is
-        staged. Kept for reuse (their memory regions stay registered); :meth:`give_host` when done."""
+        """A host buffer of ``nbytes`` that no transfer in flight uses, where a partial lands
+        before it is folded. Kept for reuse up to ``FREE_BYTES`` (their memory regions stay
+        registered while the MR cache keeps them); :meth:`give_host` when done."""
         with self._buffers_lock:
             fits = [buf for buf in self._free if buf.numel() >= nbytes]
             if fits:
                 buf = min(fits, key=torch.Tensor.numel)
                 self._free.remove(buf)
             else:
-                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         return buf[:nbytes]
 
     def give_host(self, view: torch.Tensor) -> None:
         """A buffer from :meth:`take_host` is free again (its transfer completed or failed)."""
         with self._buffers_lock:
             self._free.append(view._base if view._base is not None else view)
+            while sum(buf.numel() for buf in self._free) > FREE_BYTES:
+                self._free.remove(min(self._free, key=torch.Tensor.numel))
 
     def connect(self, peers: list[int]) -> None:
         """Create a queue pair for every peer, publish them all, then connect each: all first,
@@ -590,4 +614,6 @@ class RdmaBorder(ByteCounter):
             link.close()
         self._poller.join(timeout=5)
         self.mrs.clear()
+        with self._buffers_lock:
+            self._free.clear()
         self.nic.close()

@@ -53,6 +53,9 @@ class RoutedBorder:
         """Whether ``peer``'s TCP link says its process is gone (every rank has one)."""
         return self.default.gone(peer)
 
+    def device_memory(self, peer: int, device: Any) -> bool:
+        return self.routes.get(peer, self.default).device_memory(peer, device)
+
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag) -> Handle:
         return self.routes.get(peer, self.default).isend(peer, buf, tag)
 

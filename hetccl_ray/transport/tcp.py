@@ -31,17 +31,16 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
-from hetccl_ray.memory import devices
 from hetccl_ray.memory.buffers import ScratchPool, combine
 from hetccl_ray.transport.compress.frames import FRAME_BYTES, CodecStats, Decoder, Encoder, FrameReader
 from hetccl_ray.transport.compress.planes import layout_for
 from hetccl_ray.transport.compress.policy import LinkPolicy
-from hetccl_ray.errors import HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
-from hetccl_ray.transport.base import (HEADER_SIZE, ByteCounter, Flag, Handle, Tag, chunks, header, matches,
+from hetccl_ray.errors import HetCCLInputError, HetCCLMismatchError, HetCCLPeerError, HetCCLTimeoutError
+from hetccl_ray.transport.base import (HEADER_SIZE, ByteCounter, Flag, Handle, Tag, header, matches,
                                        mismatch, parse_header)
 
 logger = logging.getLogger(__name__)
@@ -192,29 +191,10 @@ class _DrivenHandle(Handle):
         super().wait(0)
 
 
-STAGING_LIMIT_S = 600.0  # bounds a device copy that never ends; the op's own wait holds its deadline
-
-
-def _staged_views(buf: torch.Tensor, slots: torch.Tensor, deadline: float) -> Iterator[memoryview]:
-    """A device tensor's bytes through two pinned host slots: chunk i+1 is copied while i is
-    sent. Copies go on the current stream of the tensor's own device (the op's stream)."""
-    flat = buf.reshape(-1).view(torch.uint8)
-    spans = chunks(flat.numel(), CHUNK_BYTES)
-    device = devices.of(buf)
-
-    def launch(i: int) -> tuple[torch.Tensor, devices.EventLike]:
-        offset, length = spans[i]
-        slot = slots[i % 2, :length]
-        device.launch(None, lambda: slot.copy_(flat[offset:offset + length], non_blocking=True))
-        return slot, device.current_stream().record()
-
-    pending = launch(0) if spans else None
-    for i in range(len(spans)):
-        slot, copied = pending
-        copied.synchronize(deadline, "staging a device tensor for the TCP border")
-        if i + 1 < len(spans):
-            pending = launch(i + 1)
-        yield memoryview(slot.numpy())
+def _host_only(buf: torch.Tensor, what: str, peer: int) -> None:
+    if buf.device.type != "cpu":
+        raise HetCCLInputError(f"TCP border: a {what} with rank {peer} of {buf.device} memory; the border moves "
+                               "host memory, device buffers are staged by the runner")
 
 
 class _Outgoing:
@@ -232,11 +212,9 @@ class _Outgoing:
         self.coding = CodecStats()
         if self.framed:
             self.later: Iterator[memoryview] = link.encoder.frames(buf, layout_for(buf.dtype), self.coding)
-        elif buf.device.type == "cpu":
+        else:
             self.pending.append(_byte_view(buf))
             self.later = iter(())
-        else:
-            self.later = _staged_views(buf, link.send_slots(), time.monotonic() + STAGING_LIMIT_S)
 
     def step(self, link: "_Link") -> bool:
         """Write what the socket takes; True when the whole message is out. While the socket
@@ -288,8 +266,8 @@ class _Outgoing:
 
 
 class _Incoming:
-    """One posted receive: header, control bytes, then the payload into ``buf`` (reduced with
-    ``op``, or staged through host memory for a device tensor)."""
+    """One posted receive: header, control bytes, then the payload into ``buf`` (or, to be
+    reduced into it with ``op``, through a staging buffer)."""
 
     def __init__(self, tag: Tag, buf: torch.Tensor, op: Optional[str], flexible: bool, handle: Handle,
                  free_bits: int = 0) -> None:
@@ -299,7 +277,7 @@ class _Incoming:
         self.moved = 0  # payload bytes the sender announced
         self.wire = 0  # payload bytes on the wire (fewer than moved when framed)
         self.framed, self.reader = False, None
-        self.direct = op is None and buf.device.type == "cpu"  # lands in ``buf`` as it is, unstaged
+        self.direct = op is None  # lands in ``buf`` as it is, unstaged
         self.header = bytearray(HEADER_SIZE)
         self.view, self.got = memoryview(self.header), 0
         self.phase = "header"
@@ -356,16 +334,12 @@ class _Incoming:
         return self.piece_start >= flat.numel() or self._expect(self._landing(link))
 
     def _land(self, piece: torch.Tensor, received: torch.Tensor) -> None:
-        """Staged bytes into their place in ``buf``: copied, or reduced with ``op``."""
-        received = received.view(piece.dtype).to(piece.device)
-        if self.op is None:
-            piece.copy_(received)
-        else:
-            combine(piece, received, self.op)
+        """Staged bytes reduced with ``op`` into their place in ``buf``."""
+        combine(piece, received.view(piece.dtype), self.op)
 
     def _frame_reader(self, link: "_Link") -> FrameReader:
         """Decodes a framed payload: straight into ``buf`` (or the spill), else through a
-        staging buffer on ``buf``'s device into the reduction or copy."""
+        staging buffer into the reduction."""
         layout = layout_for(self.buf.dtype)
         if layout is None:
             raise HetCCLPeerError(f"rank {link.peer} sent compressed frames of {self.buf.dtype}, which has no codec")
@@ -374,11 +348,11 @@ class _Incoming:
         else:
             whole = self.buf.reshape(-1).view(torch.uint8) if self.direct else None
         if whole is not None:
-            return FrameReader(layout, self.moved, whole.device, link.decoder,
+            return FrameReader(layout, self.moved, link.decoder,
                                lambda offset, n: whole[offset:offset + n], lambda offset, n: None)
         flat, size = self.buf.reshape(-1), self.buf.element_size()
-        staging = link.frame_staging(self.buf.device)
-        return FrameReader(layout, self.moved, self.buf.device, link.decoder, lambda offset, n: staging[:n],
+        staging = link.frame_staging()
+        return FrameReader(layout, self.moved, link.decoder, lambda offset, n: staging[:n],
                            lambda offset, n: self._land(flat[offset // size:(offset + n) // size], staging[:n]))
 
     def _next_frame_part(self) -> bool:
@@ -389,7 +363,7 @@ class _Incoming:
         return self._expect(view)
 
     def _landing(self, link: "_Link") -> memoryview:
-        """Host bytes for the next piece of a staged payload."""
+        """Host bytes for the next piece of a payload reduced as it lands."""
         flat = self.buf.reshape(-1)
         step = max(REDUCE_CHUNK_BYTES // flat.element_size(), 1)
         n = min(step, flat.numel() - self.piece_start)
@@ -416,7 +390,6 @@ class _Link:
         self.counted = peer not in owner.local
         self.error: Optional[BaseException] = None
         self._scratch = ScratchPool()
-        self._send_slots: Optional[torch.Tensor] = None
         self.same_host = sock.family == getattr(socket, "AF_UNIX", None)
         # a codec never beats a copy between processes of one host; "on" still compresses
         compress = "off" if self.same_host and owner.compress == "auto" else owner.compress
@@ -425,20 +398,13 @@ class _Link:
         self.sends: "collections.deque[_Outgoing]" = collections.deque()
         self.recvs: "collections.deque[_Incoming]" = collections.deque()
 
-    def send_slots(self) -> torch.Tensor:
-        if self._send_slots is None:
-            self._send_slots = torch.empty(2, CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-        return self._send_slots
-
-    def frame_staging(self, device: torch.device) -> torch.Tensor:
-        """Where a decoded frame lands before it is reduced or copied into its place."""
-        return self._scratch.grown(("frame", device), FRAME_BYTES,
-                                   lambda n: torch.empty(n, dtype=torch.uint8, device=device))
+    def frame_staging(self) -> torch.Tensor:
+        """Where a decoded frame lands before it is reduced into its place."""
+        return self._scratch.grown("frame", FRAME_BYTES, lambda n: torch.empty(n, dtype=torch.uint8))
 
     def staging_for(self, nbytes: int) -> torch.Tensor:
-        """Host memory for ``nbytes`` of a device tensor (pinned where there is a GPU)."""
-        return self._scratch.grown("staging", nbytes,
-                                   lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
+        """Where ``nbytes`` of a payload land before they are reduced into their place."""
+        return self._scratch.grown("staging", nbytes, lambda n: torch.empty(n, dtype=torch.uint8))
 
     def progress(self) -> bool:
         """Move every queued message as far as the socket allows; True if one finished."""
@@ -552,8 +518,12 @@ class TcpBorder(ByteCounter):
             links = list(self._links.values())
         return {link.peer: link.policy.describe() for link in links if link.policy is not None}
 
+    def device_memory(self, peer: int, device: Any) -> bool:
+        return False  # sockets read and write host memory only
+
     def isend(self, peer: int, buf: torch.Tensor, tag: Tag, timeout_s: float = 60.0, extra: bytes = b"") -> Handle:
         """Queue a message and write what the socket takes now; ``extra``: control bytes."""
+        _host_only(buf, "send", peer)
         handle = _DrivenHandle(self, peer, "send")
         self.messages_sent += 1
         link = self._link(peer, timeout_s)
@@ -574,6 +544,7 @@ class TcpBorder(ByteCounter):
         but lands in ``handle.spill`` (so calls that disagree can still be compared);
         ``free_bits``: the message's sequence number may differ from ``tag``'s in these bits
         (the tag it carried is in ``handle.tag``)."""
+        _host_only(buf, "receive", peer)
         handle = _DrivenHandle(self, peer, "recv")
         link = self._link(peer, timeout_s)
         if link.error is not None:

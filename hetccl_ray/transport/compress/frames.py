@@ -56,15 +56,6 @@ class CodecStats:
         self.seconds += seconds
 
 
-def _host(plane: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """``plane`` in host memory: itself on CPU, else copied into the host ``slot``."""
-    if plane.device.type == "cpu":
-        return plane
-    host = slot[:plane.numel()]
-    host.copy_(plane)
-    return host
-
-
 def _bytes(plane: torch.Tensor) -> memoryview:
     return memoryview(plane.numpy()) if plane.numel() else memoryview(b"")
 
@@ -77,23 +68,15 @@ def _crc(codec: int, coded: torch.Tensor, rest: torch.Tensor) -> int:
 
 @dataclass
 class _Planes:
-    """One frame's plane buffers: on the tensor's device, and in host memory."""
+    """One frame's plane buffers (host memory: a border moves host bytes)."""
 
     coded: torch.Tensor
     rest: torch.Tensor
-    host_coded: torch.Tensor
-    host_rest: torch.Tensor
 
     @classmethod
-    def make(cls, layout: Layout, device: torch.device) -> "_Planes":
+    def make(cls, layout: Layout) -> "_Planes":
         n = FRAME_BYTES // layout.itemsize
-        make = lambda size, where: torch.empty(size, dtype=torch.uint8, device=where)  # noqa: E731
-        pinned = device.type != "cpu"
-        host = lambda size: torch.empty(size, dtype=torch.uint8, pin_memory=pinned)  # noqa: E731
-        if not pinned:
-            coded, rest = make(n, device), make(n * (layout.itemsize - 1), device)
-            return cls(coded, rest, coded, rest)
-        return cls(make(n, device), make(n * (layout.itemsize - 1), device), host(n), host(n * (layout.itemsize - 1)))
+        return cls(torch.empty(n, dtype=torch.uint8), torch.empty(n * (layout.itemsize - 1), dtype=torch.uint8))
 
 
 @dataclass
@@ -111,8 +94,7 @@ class Encoder:
         then its coded top-byte plane, frame after frame, coded as they are asked for (what
         that cost is added to ``stats``)."""
         flat = buf.reshape(-1).view(torch.uint8)
-        key = (layout, flat.device)
-        ring = self._rings.setdefault(key, [_Planes.make(layout, flat.device) for _ in range(self.RING)])
+        ring = self._rings.setdefault(layout, [_Planes.make(layout) for _ in range(self.RING)])
         step = FRAME_BYTES // layout.itemsize * layout.itemsize
         for k, offset in enumerate(range(0, flat.numel(), step)):
             started = time.perf_counter()
@@ -122,7 +104,6 @@ class Encoder:
             coded, rest = slot.coded[:n], slot.rest[:n * (layout.itemsize - 1)]
             layout.split(array(raw), array(coded), array(rest))
             worth = entropy_bytes(array(coded)) < _WORTH_CODING * n
-            coded, rest = _host(coded, slot.host_coded), _host(rest, slot.host_rest)
             codec = ZSTD if worth else STORED
             head = _HEAD.pack(codec, raw.numel(), _crc(codec, coded, rest))
             split_s = time.perf_counter() - started
@@ -144,11 +125,10 @@ class Decoder:
         self._planes: dict = {}
         self.coded_buf = bytearray(FRAME_BYTES)
 
-    def planes(self, layout: Layout, device: torch.device) -> _Planes:
-        key = (layout, device)
-        if key not in self._planes:
-            self._planes[key] = _Planes.make(layout, device)
-        return self._planes[key]
+    def planes(self, layout: Layout) -> _Planes:
+        if layout not in self._planes:
+            self._planes[layout] = _Planes.make(layout)
+        return self._planes[layout]
 
     def decompress(self, body: memoryview, n: int) -> bytes:
         try:
@@ -162,15 +142,15 @@ class Decoder:
 
 class FrameReader:
     """Receives one framed payload of ``nbytes``: :meth:`want` hands out the next buffer to fill;
-    when a frame is complete it is checked and joined into ``target(offset, n)`` (a uint8 tensor
-    on the destination's device), then ``landed(offset, n)`` runs (e.g. a reduction).
+    when a frame is complete it is checked and joined into ``target(offset, n)`` (a uint8 host
+    tensor), then ``landed(offset, n)`` runs (e.g. a reduction).
     ``stats`` says what decoding cost."""
 
-    def __init__(self, layout: Layout, nbytes: int, device: torch.device, decoder: Decoder,
+    def __init__(self, layout: Layout, nbytes: int, decoder: Decoder,
                  target: Callable[[int, int], torch.Tensor], landed: Callable[[int, int], None]) -> None:
         self.layout, self.nbytes, self.decoder = layout, nbytes, decoder
         self.target, self.landed = target, landed
-        self.planes = decoder.planes(layout, device)
+        self.planes = decoder.planes(layout)
         self.offset, self.frame = 0, 0
         self.stats = CodecStats()
         self._state = "head"
@@ -184,9 +164,9 @@ class FrameReader:
         if self._state in ("head", "length"):
             return memoryview(self._buf)
         if self._state == "rest":
-            return _bytes(self.planes.host_rest[:self._n * (self.layout.itemsize - 1)])
+            return _bytes(self.planes.rest[:self._n * (self.layout.itemsize - 1)])
         if self._head[0] == STORED:
-            return _bytes(self.planes.host_coded[:self._n])
+            return _bytes(self.planes.coded[:self._n])
         return memoryview(self.decoder.coded_buf)[:self._coded_len]
 
     def filled(self) -> None:
@@ -215,19 +195,16 @@ class FrameReader:
         started = time.perf_counter()
         codec, raw, crc = self._head
         n = self._n
-        coded = self.planes.host_coded[:n]
+        coded = self.planes.coded[:n]
         if codec == ZSTD:
             body = memoryview(self.decoder.coded_buf)[:self._coded_len]
             try:
                 coded.numpy()[:] = memoryview(self.decoder.decompress(body, n)).cast("B")
             except FrameError as exc:
                 raise self._error(str(exc)) from None
-        rest = self.planes.host_rest[:n * (self.layout.itemsize - 1)]
+        rest = self.planes.rest[:n * (self.layout.itemsize - 1)]
         if _crc(codec, coded, rest) != crc:
             raise self._error("checksum of the planes does not match")
-        if self.planes.coded.device.type != "cpu":  # synchronous: the host planes take the next frame
-            coded = self.planes.coded[:n].copy_(coded)
-            rest = self.planes.rest[:rest.numel()].copy_(rest)
         self.layout.join(array(coded), array(rest), array(self.target(self.offset, raw)))
         self.landed(self.offset, raw)
         self.stats.add(raw, _HEAD.size + rest.numel() + _CODED.size + self._coded_len, time.perf_counter() - started)

@@ -5,42 +5,27 @@ raw).
 
 Measured on bf16 and fp32 gradients (benchdata.py): moving the whole 8-bit exponent into
 one byte and the sign out of it codes that plane 0.003-0.006 better (of the whole message)
-but splits at a quarter of the speed, so the split is by bytes. Written with operators on
-integer views only, so one code runs on numpy views of CPU tensors and on GPU tensors.
+but splits at a quarter of the speed, so the split is by bytes. Planes are host memory
+(a border moves host bytes), split with numpy's operators on integer views.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 import torch
 
 
-Array = Union[np.ndarray, torch.Tensor]
-
-
-def array(tensor: torch.Tensor) -> Array:
-    """What the plane functions work on: a numpy view of a CPU tensor (numpy's element-wise
+def array(tensor: torch.Tensor) -> np.ndarray:
+    """What the plane functions work on: a numpy view of a host tensor (numpy's element-wise
     ops run on the calling thread, where torch's may start a thread pool that spins against
-    the other ranks on a shared host), the tensor itself on a device."""
-    return tensor.numpy() if tensor.device.type == "cpu" else tensor
+    the other ranks on a shared host)."""
+    return tensor.numpy()
 
 
-def _xp(a: Array):
-    """The array library of ``a``: numpy or torch (both take the same operators)."""
-    return np if isinstance(a, np.ndarray) else torch
-
-
-_INTS = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16), 4: (np.int32, torch.int32),
-         8: (np.int64, torch.int64)}
-
-
-def _as_int(a: Array, width: int) -> Array:
-    """The bytes of ``a`` viewed as signed integers of ``width`` bytes (uint8 for one)."""
-    np_type, torch_type = _INTS[width]
-    return a.view(np_type) if isinstance(a, np.ndarray) else a.view(torch_type)
+_INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 @dataclass(frozen=True)
@@ -65,25 +50,25 @@ class Layout:
                 offset, left = offset + 8 * width, left - width
         return pieces
 
-    def _rest_views(self, rest: Array, n: int) -> list[Array]:
+    def _rest_views(self, rest: np.ndarray, n: int) -> list[np.ndarray]:
         views, at = [], 0
         for width, _ in self._pieces:
-            views.append(_as_int(rest[at:at + n * width], width))
+            views.append(rest[at:at + n * width].view(_INTS[width]))
             at += n * width
         return views
 
-    def split(self, raw: Array, coded: Array, rest: Array) -> None:
+    def split(self, raw: np.ndarray, coded: np.ndarray, rest: np.ndarray) -> None:
         """Write the planes of ``raw`` (flat uint8, whole elements) into ``coded`` (one byte per
-        element) and ``rest`` (itemsize - 1 bytes per element), all on one device."""
-        u = _as_int(raw, self.itemsize)
+        element) and ``rest`` (itemsize - 1 bytes per element)."""
+        u = raw.view(_INTS[self.itemsize])
         coded[:] = u >> 8 * (self.itemsize - 1)  # assigning truncates to the low byte: the top one
         for view, (_, offset) in zip(self._rest_views(rest, len(coded)), self._pieces):
             view[:] = u >> offset if offset else u  # truncated to the piece's width
 
-    def join(self, coded: Array, rest: Array, out: Array) -> None:
+    def join(self, coded: np.ndarray, rest: np.ndarray, out: np.ndarray) -> None:
         """The inverse of :meth:`split`: the elements' bytes from their planes, into ``out``."""
-        o = _as_int(out, self.itemsize)
-        t = _xp(o).empty_like(o)
+        o = out.view(_INTS[self.itemsize])
+        t = np.empty_like(o)
         o[:] = coded
         o <<= 8 * (self.itemsize - 1)
         for view, (width, offset) in zip(self._rest_views(rest, len(coded)), self._pieces):
@@ -103,14 +88,10 @@ def layout_for(dtype: torch.dtype) -> Optional[Layout]:
     return _LAYOUTS.get(dtype)
 
 
-def entropy_bytes(coded: Array, sample_bytes: int = 16384) -> float:
+def entropy_bytes(coded: np.ndarray, sample_bytes: int = 16384) -> float:
     """Bytes an ideal entropy coder needs for the plane ``coded``, from the histogram of its
-    first ``sample_bytes`` (computed where the plane lies), so a plane that will not shrink
-    is not coded at all."""
+    first ``sample_bytes``, so a plane that will not shrink is not coded at all."""
     sample = coded[:sample_bytes]
-    if isinstance(sample, np.ndarray):
-        counts = np.bincount(sample, minlength=256)
-    else:
-        counts = torch.bincount(sample, minlength=256).cpu().numpy()
+    counts = np.bincount(sample, minlength=256)
     p = counts[counts > 0] / len(sample)
     return float(-(p * np.log2(p)).sum()) * len(coded) / 8
