@@ -16,11 +16,40 @@ from hetccl_ray.islands.libraries import TorchIsland
 from hetccl_ray.errors import HetCCLTimeoutError
 
 
-def _island(store: "dist.Store", rank: int, timeout_s: float) -> TorchIsland:
+def _island(store: "dist.Store", rank: int, timeout_s: float, size: int = 2) -> TorchIsland:
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return TorchIsland(dist.ProcessGroupGloo(store, rank, 2, opts), rank, 2, False, timeout_s)
+    return TorchIsland(dist.ProcessGroupGloo(store, rank, size, opts), rank, size, False, timeout_s)
+
+
+def _on_threads(size: int, fn) -> list:
+    """``fn(island)`` on ``size`` threads, one rank of a real Gloo island each; their results."""
+    store, results = dist.HashStore(), [None] * size
+
+    def rank_main(rank: int) -> None:
+        results[rank] = fn(_island(store, rank, 30.0, size))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    return results
+
+
+@pytest.mark.parametrize("root", [0, 1, 2])
+def test_gather_posts_every_range_at_once_and_fills_the_roots(root):
+    counts, offsets = [3, 0, 5], [0, 3, 3]
+
+    def gather(island: TorchIsland) -> torch.Tensor:
+        buf = torch.full((8,), -1.0)
+        offset, count = offsets[island.rank], counts[island.rank]
+        buf[offset:offset + count] = torch.arange(count, dtype=torch.float32) + 10 * island.rank
+        island.gather(buf, counts, root)
+        return buf
+
+    results = _on_threads(3, gather)
+    expect = torch.tensor([0.0, 1, 2, 20, 21, 22, 23, 24])  # rank 0's three, rank 2's five
+    assert torch.equal(results[root], expect)
 
 
 def test_a_wait_past_the_deadline_is_a_timeout():

@@ -15,6 +15,9 @@ def test_precedence():
     assert island_for(None, {"ray.io/accelerator-type": "A100"}, None) == "cpu"
     assert island_for(None, {}, "amd") == "amd"
     assert island_for(None, {}, None) == "cpu"
+    # a CPU-only actor (a driver, a data loader) on a labelled GPU node: that island's CPU island
+    assert island_for(None, labels, None) == "east-cpu"
+    assert island_for(None, {"hetccl.io/island": "nvidia"}, None) == "nvidia"  # simulated islands: no accelerator
 
 
 @pytest.mark.parametrize("name,vendor", [("H100", "nvidia"), ("MI250X", "amd"), ("Intel-GPU-Max-1550", "intel"),

@@ -65,6 +65,7 @@ def test_an_op_waits_for_its_callers_stream_at_the_call_and_wait_leaves_the_host
         assert out["wait_s"] < 0.5, out  # the late rank calls 1.5 s in
         assert 1.0 < out["done_s"] < 2.8, out  # done once the late rank came, not after the 3 s
         assert out["read_s"] >= 3.0, out  # the read queued after the 3 s
+        assert "stream is capturing a graph" in out["captured"]
 
 
 def test_fsdp_matches_gloo():

@@ -64,3 +64,16 @@ def test_pyverbs_imports_and_finds_no_device_here():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible; tests/hw covers it")
 def test_gpu_memory_path_on_a_machine_without_gpu_is_staged():
     assert verbs.gpu_memory_path() == "staged"
+
+
+@pytest.mark.skipif(not HAS_PYVERBS, reason="pyverbs is not installed (scripts/install_pyverbs.sh installs it)")
+def test_roce_v2_gids_are_told_with_the_pyverbs_debian_ships():
+    """Its GID types are in pyverbs.enums (v44); reading them from libibverbs_enums (v59 only)
+    failed there and fell back to the table order, which usually gives RoCE v1."""
+    import pyverbs.enums
+
+    class Context:  # what _roce_v2 asks of a device context
+        def query_gid_type(self, port, index):
+            return [pyverbs.enums.IBV_GID_TYPE_SYSFS_IB_ROCE_V1, pyverbs.enums.IBV_GID_TYPE_SYSFS_ROCE_V2][index]
+
+    assert [verbs._roce_v2(Context(), 1, index) for index in (0, 1)] == [False, True]

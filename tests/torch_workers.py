@@ -231,6 +231,11 @@ def caller_stream_delayed(rank: int, world: int) -> dict[str, Any]:
     emu.launch(None, lambda: out.update(x=x.clone(), y=y.clone()))
     emu.host_wait(None, time.monotonic() + 60, "test reads")
     out["read_s"] = time.monotonic() - started
+    emu.capture = True  # a FAKE graph capture: refused by name, before any message
+    try:
+        dist.all_reduce(x)
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        out["captured"] = str(exc)
     return out
 
 

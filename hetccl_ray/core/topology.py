@@ -38,15 +38,19 @@ def island_for(
 
     ``override`` (group option or ``HETCCL_ISLAND``), then the node label
     ``hetccl.io/island``, then, for a rank that drives an accelerator (``local_vendor``),
-    the node's accelerator label or else that vendor; a rank without one is ``"cpu"``
-    even on a GPU node (its Gloo island must not wait for the node's NCCL ranks).
+    the node's accelerator label or else that vendor. A rank without one is never in a GPU
+    island (its Gloo island must not wait for the node's NCCL ranks): on a node labelled
+    with an island and an accelerator it is in that island's CPU island (``nvidia-cpu``),
+    on an accelerator node without an island label in ``"cpu"``.
     """
-    for candidate in (override, node_labels.get(ISLAND_LABEL)):
-        if candidate:
-            return str(candidate)
+    if override:
+        return str(override)
+    accelerator = node_labels.get(ACCELERATOR_LABEL)
+    labelled = node_labels.get(ISLAND_LABEL)
+    if labelled:
+        return f"{labelled}-cpu" if accelerator and local_vendor is None else str(labelled)
     if local_vendor is None:
         return "cpu"
-    accelerator = node_labels.get(ACCELERATOR_LABEL)
     return vendor_of_accelerator(accelerator) if accelerator else local_vendor
 
 

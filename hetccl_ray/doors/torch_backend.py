@@ -130,6 +130,7 @@ class HetCCLProcessGroup(dist.ProcessGroup):
         transfers and returns their waits, which run after it (the Work is done then)."""
         first = next((t for t in _tensors(result) if isinstance(t, torch.Tensor)), None)
         device = devices.of(first) if first is not None else devices.HOST
+        device.refuse_capture(f"hetccl process group {self._name} on rank {self.rank()}")
         entry = device.mark()
         work = _Work(device, self.group.options.timeout_s)
         work.posted = posted

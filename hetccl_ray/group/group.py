@@ -291,6 +291,7 @@ class HetCCLGroup(BaseGroup):
         """
         tensor = op.tensor
         device = devices.of(tensor) if tensor is not None else devices.HOST
+        device.refuse_capture(f"{op.name} in group '{self.group_name}' on rank {self.rank}")
         with self._lock:
             self._raise_if_broken()
             if op.peer is None:
@@ -630,7 +631,8 @@ class HetCCLGroup(BaseGroup):
         self._p2p(self.ops.p2p("recv", tensor, recv_options.src_rank))()
 
     def destroy_group(self) -> None:
-        """Close the border, the island communicators and the progress thread; drop KV records."""
+        """Close the border, the island communicators and the progress thread; free the scratch
+        and staging memory; drop KV records."""
         self._progress.close()
         self.border.close()
         self.direct.close()
@@ -639,6 +641,7 @@ class HetCCLGroup(BaseGroup):
             library.close()
         self._islands.clear()
         self._flat = None
+        self._scratch.clear()  # staging (pinned where a GPU is) goes with the group
         for key in (f"rank/{self.rank}", f"progress/{self.rank}"):
             self._rendezvous.delete(key)
         if not isinstance(self._rendezvous, StoreRendezvous):  # any rank: rank 0 may be the one that died

@@ -220,12 +220,20 @@ class TorchIsland:
             self._done(work)
 
     def gather(self, buf: torch.Tensor, counts: Sequence[int], root: int) -> None:
-        for peer, (offset, count) in enumerate(ranges(counts)):
-            if count and peer != root:
-                if self.rank == peer:
-                    self.send(buf[offset:offset + count], root)
-                elif self.rank == root:
-                    self.recv(buf[offset:offset + count], peer)
+        """Every range to ``root`` at once: its receives all posted before any is waited for,
+        grouped as one library call where the library groups P2P (NCCL/RCCL: ``native``)."""
+        spans = [(peer, span) for peer, span in enumerate(ranges(counts)) if span[1] and peer != root]
+        if self.rank != root:
+            spans = [(peer, span) for peer, span in spans if peer == self.rank]
+        if not spans:
+            return
+        grouped = self.native and hasattr(self.pg, "_start_coalescing")
+        if grouped:
+            self.pg._start_coalescing(buf.device)
+        works = [self.pg.send([buf[o:o + n]], root, 0) if self.rank != root else self.pg.recv([buf[o:o + n]], peer, 0)
+                 for peer, (o, n) in spans]
+        for work in [self.pg._end_coalescing(buf.device)] if grouped else works:
+            self._done(work)
 
     def broadcast(self, buf: torch.Tensor, root: int) -> None:
         self._done(self.pg.broadcast([buf], self._opts(dist.BroadcastOptions, root=root)))

@@ -99,6 +99,10 @@ class ScratchPool:
             buf = self._buffers[key] = make(n)
         return buf[:n]
 
+    def clear(self) -> None:
+        """Let go of every buffer (pinned host memory included) at close."""
+        self._buffers.clear()
+
     def get(self, slot: Hashable, n: int, like: torch.Tensor) -> torch.Tensor:
         """``n`` elements of ``like``'s dtype on its device."""
         return self.grown((slot, like.dtype, like.device), n,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from hetccl_ray.errors import HetCCLError, HetCCLTimeoutError
+from hetccl_ray.errors import HetCCLError, HetCCLInputError, HetCCLTimeoutError
 from hetccl_ray.memory import buffers
 
 # device classes as carried in call rows (calls.py): index = code
@@ -106,6 +106,18 @@ class Device:
 
     def host_wait(self, stream: Optional[StreamLike], deadline: float, what: str) -> None:
         """Block the host until ``stream`` has done everything launched on it so far."""
+
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a graph (CUDA graphs): an op cannot run then,
+        as its host waits for the device in the middle of it."""
+        return False
+
+    def refuse_capture(self, what: str) -> None:
+        """Raise, naming ``what``, while the calling thread's stream is capturing a graph."""
+        if self.capturing():
+            raise HetCCLInputError(f"{what}: the current {self.kind} stream is capturing a graph; hetccl ops "
+                                   "wait on the host in the middle (border transfers), so run them outside the "
+                                   "captured region")
 
     def wait_for_host(self, stream: Optional[StreamLike], flag: HostFlag, timeout_s: float) -> bool:
         """Make ``stream`` wait (on the device, the host not blocked) until ``flag`` is set, or
@@ -234,6 +246,10 @@ class TorchDevice(Device):
         if stream is not None:
             stream.record().synchronize(deadline, what)
 
+    def capturing(self) -> bool:
+        capturing = getattr(self._module, "is_current_stream_capturing", None)
+        return bool(capturing()) if capturing is not None else False
+
     def wait_for_host(self, stream: Optional[StreamLike], flag: HostFlag, timeout_s: float) -> bool:
         """On CUDA, a host function on the stream (the driver's ``cuLaunchHostFunc``) that
         returns once ``flag`` is set: it makes no CUDA call, as host functions must not."""
@@ -323,6 +339,10 @@ class EmulatedDevice(Device):
     kind = "emu"
     host = False
     ordered_host_ops = False  # torch ops on its (CPU) tensors run at once, outside stream order
+    capture = False  # a FAKE graph capture on the current stream (tests set it)
+
+    def capturing(self) -> bool:
+        return self.capture
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s

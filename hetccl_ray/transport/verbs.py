@@ -104,10 +104,8 @@ def _gid_index(ctx: Any, port: int, link_layer: str, forced: Optional[int]) -> t
 def _roce_v2(ctx: Any, port: int, index: int) -> bool:
     """Whether GID table entry ``index`` is RoCE v2 (False where pyverbs cannot tell)."""
     try:
-        from pyverbs.libibverbs_enums import ibv_gid_type_sysfs
-
-        return ctx.query_gid_type(port, index) == ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2
-    except Exception:  # noqa: BLE001 - an older pyverbs: keep the table order
+        return ctx.query_gid_type(port, index) == enum("IBV_GID_TYPE_SYSFS_ROCE_V2")
+    except Exception:  # noqa: BLE001 - a pyverbs without GID types: keep the table order
         return False
 
 
