@@ -80,6 +80,17 @@ def test_local_sweep_is_correct_and_meets_the_border_bound(local_run):
     assert pd.read_csv(csv).shape == frame.shape
 
 
+def test_the_device_mode_runs_every_path_on_the_emulated_device(capsys):
+    """--device emu (the FAKE): buffers in emulated device memory, calls timed until the device
+    is done, Ray's gloo on host copies, the staging bound measured; its numbers mean nothing."""
+    frame = bench.main(["-o", "allreduce,allgather,sendrecv", "-b", "1K", "-e", "16K", "-f", "16", "-n", "2", "-w", "1",
+                        "--vs", "gloo", "--layout", "1,1", "--device", "emu", "--no-progress"])
+    assert frame["wrong"].sum() == 0 and set(frame["backend"]) == {"hetccl", "gloo"}
+    assert (frame["staging_us"] > 0).all() and (frame["x_staging"] > 0).all()
+    printed = capsys.readouterr().out
+    assert "device emu" in printed and "staging" in printed and "border GPU memory staged" in printed
+
+
 def test_table_has_nccl_tests_columns(local_run):
     table = bench.format_table(local_run[0])
     for column in ("size", "count", "type", "redop", "root", "algbw", "busbw", "#wrong", "gloo/hetccl", "90% range"):

@@ -45,7 +45,6 @@ from hetccl_ray.group.rendezvous import StoreRendezvous, get_raw, options_key, r
 from hetccl_ray.core.tensors import Operand
 from hetccl_ray.errors import (HetCCLBrokenError, HetCCLError, HetCCLInputError, HetCCLMismatchError,
                                HetCCLPeerError, HetCCLTimeoutError)
-from hetccl_ray.transport import verbs
 from hetccl_ray.transport.base import mismatch
 from hetccl_ray.transport.choice import Choice
 
@@ -270,7 +269,8 @@ class HetCCLGroup(BaseGroup):
                 "messages_sent": self.border.messages_sent - self._probe_messages,
                 "rejected_connections": self.border.rejected,
                 "transports": {peer: choice.transport for peer, choice in self.lane_transports().items()},
-                "gpu_memory": verbs.gpu_memory_path(),
+                "gpu_memory": {"rdma": self.border.device_paths, "tcp": "staged"} if self.border.routed_peers
+                else "staged",
                 "direct": {"bytes_sent": direct.bytes_sent, "bytes_received": direct.bytes_received,
                            "wire_bytes_sent": direct.wire_bytes_sent, "wire_bytes_received": direct.wire_bytes_received,
                            "messages_sent": direct.messages_sent}}

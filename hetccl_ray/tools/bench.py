@@ -31,6 +31,7 @@ import torch
 from ray.util import collective as col
 
 import hetccl_ray
+from hetccl_ray.tools import bench_device
 from hetccl_ray.tools.benchdata import DATA, rank_data
 from hetccl_ray.core import opkinds
 from hetccl_ray.core.opkinds import OpKind
@@ -257,24 +258,31 @@ def _data_bytes_sent(group: str) -> tuple[int, int]:
 
 
 def rank_run(groups: dict[str, str], op: str, count: int, dtype_name: str, warmup: int, iters: int,
-             rank: int, world: int, data: str = "fill") -> dict[str, dict]:
+             rank: int, world: int, data: str = "fill", device: str = "cpu") -> dict[str, dict]:
     """In one actor: check one call of each backend, warm each up, then time ``iters`` calls
     of each, alternating the backends call by call and rotating their order every iteration,
     so the host's noisy moments and the cost of going first fall on every backend alike.
-    Each call starts after a barrier of its group; returns each call's seconds per backend."""
+    Each call starts after a barrier of its group; returns each call's seconds per backend.
+    On a ``device`` (bench_device.py) a call ends when the device has done it; Ray's gloo runs
+    on host copies; ``staging_s`` is this rank's staging bound of the buffer."""
     dtype, coll = getattr(torch, dtype_name), COLLS[op]
     out, steps = {}, {}
+    bench_device.prepare(device)
     for backend, group in groups.items():
-        x, into = coll.make(rank_data(data, rank, count, dtype), world)
-        step = steps[backend] = coll.call(group, world, rank, x, into)
+        x, into = (bench_device.moved(device, t) for t in coll.make(rank_data(data, rank, count, dtype), world))
+        step = steps[backend] = bench_device.step(device, backend == "gloo",
+                                                  lambda a, b, g=group: coll.call(g, world, rank, a, b), x, into)
         hetccl = backend.startswith("hetccl")
         col.barrier(group_name=group)
         sent_before = _data_bytes_sent(group) if hetccl else (0, 0)
         step()
-        wrong = _wrong(coll, world, rank, count, dtype, coll.got(x, into, world), data)
+        got = [t.cpu() for t in coll.got(x, into, world)]
+        wrong = _wrong(coll, world, rank, count, dtype, got, data)
         border, wire = ([after - before for after, before in zip(_data_bytes_sent(group), sent_before)] if hetccl
                         else (None, None))
-        out[backend] = {"times_s": [], "wrong": wrong, "border_bytes": border, "wire_bytes": wire}
+        out[backend] = {"times_s": [], "wrong": wrong, "border_bytes": border, "wire_bytes": wire,
+                        "staging_s": bench_device.staging_seconds(device, count * x.element_size()
+                                                                  if isinstance(x, torch.Tensor) else 0)}
     names = list(groups)
     for i in range(warmup + iters):  # warm-up calls alternate too: no backend runs hotter
         for backend in names[i % len(names):] + names[:i % len(names)]:
@@ -325,11 +333,13 @@ class BenchSpec:
     vs_gloo: bool = False
     compress: Sequence[str] = ("auto",)  # one hetccl group per mode, side by side
     data: str = "fill"
+    device: str = "cpu"  # where the ranks' buffers are (bench_device.py)
+    vs_nccl: bool = False  # Ray's NCCL group too (one-vendor layouts, --device cuda)
 
     def backends(self) -> list[str]:
-        """The backends' labels: "hetccl" (or "hetccl-MODE" each, for several modes), "gloo"."""
+        """The backends' labels: "hetccl" (or "hetccl-MODE" each, for several modes), "gloo", "nccl"."""
         labels = ["hetccl" if len(self.compress) == 1 else f"hetccl-{mode}" for mode in self.compress]
-        return labels + (["gloo"] if self.vs_gloo else [])
+        return labels + (["gloo"] if self.vs_gloo else []) + (["nccl"] if self.vs_nccl else [])
 
 
 class _Progress:
@@ -394,9 +404,10 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
     first = topo.islands[0].ranks
     lanes = [f"lane {lane}: " + "; ".join(lanes_of[first[lane]][0]) for lane in range(topo.lanes)
              if len(topo.islands) > 1]
-    if spec.vs_gloo:
-        col.create_collective_group(list(actors), world, list(range(world)), backend="gloo",
-                                    group_name=groups["gloo"])
+    for theirs in ("gloo", "nccl"):
+        if theirs in groups:
+            col.create_collective_group(list(actors), world, list(range(world)), backend=theirs,
+                                        group_name=groups[theirs])
     itemsize = torch.tensor([], dtype=getattr(torch, spec.dtype)).element_size()
     bar = _Progress(len(spec.ops) * len(spec.sizes) * len(groups), progress)
     rows = []
@@ -407,7 +418,7 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
             count = max(size // unit, 1) * unit // itemsize
             nbytes = count * itemsize
             per_rank = ray.get([a.call.remote(rank_run, groups, op, count, spec.dtype, spec.warmup, spec.iters,
-                                              rank, world, spec.data) for rank, a in enumerate(actors)],
+                                              rank, world, spec.data, spec.device) for rank, a in enumerate(actors)],
                                timeout=max(timeout_s, 600))
             taken = {label: ray.get(actors[0].call.remote(plan_taken, groups[label], op, nbytes), timeout=60)
                      for label in labels if label.startswith("hetccl")}
@@ -431,6 +442,9 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                 if link_rate:
                     bound_s = link_seconds(op, topo, nbytes, parse_rate(link_rate))
                     rows[-1]["x_link_bound"] = seconds / bound_s if bound_s else None
+                if spec.device != "cpu":  # the slowest rank's staging bound of its buffer
+                    staging = max(r["staging_s"] for r in results)
+                    rows[-1].update(staging_us=staging * 1e6, x_staging=seconds / staging if staging else None)
                 bar.step(f"{op} {nbytes} B {backend}")
             cell, first = dict(zip(labels, rows[-len(labels):])), labels[0]
             for other in labels[1:]:  # how many times faster the first hetccl group is than each other backend
@@ -440,6 +454,11 @@ def run_sweep(actors: Sequence, island_of_rank: Sequence[str], spec: BenchSpec, 
                     row.update({key: cell[other]["time_us"] / cell[first]["time_us"], f"{key}_low": low,
                                 f"{key}_high": high})
     frame = pd.DataFrame(rows)
+    if spec.device != "cpu":
+        memory = ray.get(actors[0].call.remote(lambda: hetccl_ray.border_stats(groups[labels[0]])["gpu_memory"]),
+                         timeout=60)
+        lanes.append(f"device {spec.device}: border GPU memory {memory}; staging = one copy each way through "
+                     "pinned host memory, measured on each rank")
     frame.attrs["lanes"] = lanes
     frame.attrs["model"] = lanes_of[0][1]
     frame.attrs["compression"] = [
@@ -457,6 +476,7 @@ def format_table(frame: pd.DataFrame) -> str:
     head1 = f"{'#':>1}{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>4}"
     head2 = f"{'#':>1}{'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>4}"
     linked = "x_link_bound" in frame and frame["x_link_bound"].notna().any()
+    staged = "x_staging" in frame and frame["x_staging"].notna().any()
     for backend in backends:
         head1 += f" | {backend + ' time':>12} {'spread':>6} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'border':>10}"
         head2 += f" | {'(us, med)':>12} {'(%)':>6} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(B)':>10}"
@@ -466,6 +486,9 @@ def format_table(frame: pd.DataFrame) -> str:
         if linked:
             head1 += f" {'time':>7}"
             head2 += f" {'/link':>7}"
+        if staged:
+            head1 += f" {'staging':>9} {'time':>7}"
+            head2 += f" {'(us)':>9} {'/stage':>7}"
     others = [b for b in backends[1:] if f"{backends[0]}_vs_{b}" in frame]
     for other in others:
         head1 += f" | {other + '/' + backends[0]:>11} {'90% range':>11}"
@@ -486,6 +509,8 @@ def format_table(frame: pd.DataFrame) -> str:
                     line += f" {int(row['wire_bytes']):>10d} {ratio} {row.get('plan', '-'):>6}"
                 if linked:
                     line += f" {row['x_link_bound']:>7.2f}" if pd.notna(row["x_link_bound"]) else f" {'-':>7}"
+                if staged:
+                    line += f" {row['staging_us']:>9.1f} {row['x_staging']:>7.2f}"
             for other in others:
                 key = f"{backends[0]}_vs_{other}"
                 line += f" | {first[key]:>11.2f} {first[key + '_low']:>5.2f}-{first[key + '_high']:<5.2f}"
@@ -515,7 +540,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="border transport: auto (RDMA where both ends have a port, else TCP), tcp, rdma")
     p.add_argument("--address", default=None, help="a running Ray cluster whose nodes carry hetccl.io/island")
-    p.add_argument("--vs", choices=["gloo"], default=None, help="also run Ray's own backend, side by side")
+    p.add_argument("--vs", choices=["gloo", "nccl"], default=None,
+                   help="also run Ray's own backend, side by side (gloo on host copies of device buffers; "
+                        "nccl: one-vendor layouts with --device cuda)")
+    p.add_argument("--device", choices=bench_device.DEVICES, default="cpu",
+                   help="the ranks' buffers: host memory, a GPU (islands' nodes share the host's, one rank may be "
+                        "one island), or the emulated device (a FAKE: exercises the path, measures nothing)")
     p.add_argument("--link-rate", default=None,
                    help="shape inter-island links (e.g. 1gbit): islands in their own network namespaces")
     p.add_argument("--link-delay", default=None,
@@ -567,7 +597,8 @@ def main(argv: Optional[Sequence[str]] = None) -> pd.DataFrame:
         args.iters = args.iters or DEMO_ITERS
         rates = [None, *_demo_shaped_rate()]
     spec = BenchSpec(_ops(args.op), sweep(args.minbytes, args.maxbytes, args.stepfactor), args.datatype,
-                     args.warmup_iters, args.iters or ITERS, args.vs == "gloo", _modes(args.compress), args.data)
+                     args.warmup_iters, args.iters or ITERS, args.vs == "gloo", _modes(args.compress), args.data,
+                     args.device, args.vs == "nccl")
     islands = island_names(parse_layout(args.layout), args.interleave)
     if args.explain:
         return _explain(spec, islands)
@@ -616,8 +647,8 @@ def _bench_once(args: argparse.Namespace, spec: BenchSpec, islands: list[str], l
 
         cluster = ShapedCluster(islands, link_rate, delay=args.link_delay)
     else:
-        cluster = LocalCluster(islands)
-    header = (f"# hetccl-bench  layout {args.layout}{' interleaved' if args.interleave else ''}  "
+        cluster = LocalCluster(islands, gpus={name: 1 for name in islands} if spec.device == "cuda" else None)
+    header = (f"# hetccl-bench  device {spec.device}  layout {args.layout}{' interleaved' if args.interleave else ''}  "
               f"islands by rank {islands}  link {link_rate or 'unshaped'}"
               f"{f' delay {args.link_delay}' if link_rate and args.link_delay else ''}  transport {args.transport}  "
               f"type {spec.dtype}  data {spec.data}  compress {','.join(spec.compress)}  "

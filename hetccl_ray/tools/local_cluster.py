@@ -57,10 +57,11 @@ class Worker:
 
 
 def place_workers(island_of_rank: Sequence[str], gpus: Optional[dict[str, int]] = None) -> list:
-    """One actor per rank, on a node labelled with its island (holding one GPU on the islands
-    in ``gpus``); returns once all are up."""
+    """One actor per rank, on a node labelled with its island (the ranks of an island in ``gpus``
+    sharing its node's GPUs evenly: one each, or one GPU between several); returns once all are up."""
     gpus = gpus or {}
-    actors = [Worker.options(label_selector={ISLAND_LABEL: name}, num_gpus=1 if gpus.get(name) else 0).remote()
+    share = {name: min(gpus[name] / island_of_rank.count(name), 1.0) for name in gpus if gpus[name]}
+    actors = [Worker.options(label_selector={ISLAND_LABEL: name}, num_gpus=share.get(name, 0)).remote()
               for name in island_of_rank]
     ray.get([a.node_labels.remote() for a in actors], timeout=300)
     return actors

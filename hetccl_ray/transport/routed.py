@@ -53,6 +53,12 @@ class RoutedBorder:
         """Whether ``peer``'s TCP link says its process is gone (every rank has one)."""
         return self.default.gone(peer)
 
+    @property
+    def device_paths(self) -> dict[str, str]:
+        """How each device kind's memory has reached the RDMA NICs (once tried); the TCP border
+        moves host memory only, so device buffers to its peers are staged."""
+        return {kind: path for border in self._every for kind, path in getattr(border, "device_paths", {}).items()}
+
     def device_memory(self, peer: int, device: Any) -> bool:
         return self.routes.get(peer, self.default).device_memory(peer, device)
 
