@@ -7,6 +7,7 @@ host synchronize in between, so an op that breaks stream order gives wrong value
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import numpy as np
@@ -23,6 +24,9 @@ NEEDS_GPU = pytest.mark.skipif(
     reason=f"needs one NVIDIA or AMD GPU with NCCL/RCCL (torch {torch.__version__}: cuda available="
            f"{torch.cuda.is_available()}, nccl={torch.distributed.is_nccl_available()})")
 N = 4099  # odd, so lane and rank splits are uneven
+# HW_DELAY_CYCLES (the lease script sets it): the caller's stream sleeps this many GPU cycles
+# before each input is written, so an op that does not wait for that stream reads stale inputs
+DELAY_CYCLES = int(os.environ.get("HW_DELAY_CYCLES", "0"))
 
 
 def _rank_values(rank: int, n: int) -> np.ndarray:
@@ -46,6 +50,8 @@ def timed_ops(name: str, rank: int, world: int, device: str, n: int = N,
     checks: list[tuple[str, torch.Tensor, np.ndarray]] = []
 
     def tensor(values: np.ndarray) -> torch.Tensor:
+        if on_gpu and DELAY_CYCLES:
+            torch.cuda._sleep(DELAY_CYCLES)  # the write below lands late, on the caller's stream
         return torch.from_numpy(values.copy()).to(device, non_blocking=True)
 
     def check(what: str, got: torch.Tensor, expected: np.ndarray) -> None:

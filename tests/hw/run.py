@@ -3,6 +3,7 @@
     .venv/bin/python tests/hw/run.py
 
 On a lent GPU machine (no Ray there): `bash tests/hw/wheels.sh` here, then device run
+`bash tests/hw/lease.sh` (everything a lease should tell, under 8 minutes) or
 `bash tests/hw/device.sh` carrying `.whl`.
 
 It says what the machine has first, then runs tests/hw (under 8 minutes on one GPU).
