@@ -77,3 +77,67 @@ def test_roce_v2_gids_are_told_with_the_pyverbs_debian_ships():
             return [pyverbs.enums.IBV_GID_TYPE_SYSFS_IB_ROCE_V1, pyverbs.enums.IBV_GID_TYPE_SYSFS_ROCE_V2][index]
 
     assert [verbs._roce_v2(Context(), 1, index) for index in (0, 1)] == [False, True]
+
+
+@pytest.mark.skipif(not HAS_PYVERBS, reason="pyverbs is not installed (scripts/install_pyverbs.sh installs it)")
+@pytest.mark.parametrize("at", [0, 3 << 20])  # CUDA exports the range itself; HSA the whole allocation
+def test_a_dmabuf_region_is_addressed_as_pyverbs_registers_it(monkeypatch, at):
+    """pyverbs registers a dmabuf MR with iova = its offset in the dmabuf (rdma-core
+    pyverbs/mr.pyx, v44 and later); the region was recorded with iova 0, so a write to a tensor
+    of an allocation HSA exported whole went to the wrong place. FAKE MR class and export here
+    (no GPU, no NIC)."""
+    import os
+
+    import pyverbs.mr
+    import torch
+
+    registered = {}
+
+    class FakeDmaBufMR:
+        lkey, rkey = 7, 8
+
+        def __init__(self, pd, length, access, dmabuf=None, offset=0):
+            registered.update(length=length, offset=offset, fd=dmabuf)
+
+    start, size = 0x7F0000000000, 4 << 20
+    monkeypatch.setattr(pyverbs.mr, "DmaBufMR", FakeDmaBufMR)
+    monkeypatch.setattr(verbs, "_dmabuf_fd", lambda addr, length, index: (os.open(os.devnull, os.O_RDONLY), start,
+                                                                           size, at))
+    nic = object.__new__(verbs.PyverbsNic)
+    nic.pd, nic._access, nic.name = None, 0, "fake"
+    monkeypatch.setattr(nic, "memory_path", lambda device: "dmabuf", raising=False)
+    region = nic.register(start + 4096, 1024, torch.device("cuda", 0))
+    assert registered["offset"] == at and registered["length"] == size
+    assert region.at(start + 4096) == at + 4096  # the NIC's address of the tensor's first byte
+
+
+class _FakeDriver:
+    """FAKE CUDA driver API (cuda-python's shapes): records which context calls were made."""
+
+    def __init__(self, current: int) -> None:
+        self.current, self.calls = current, []
+
+    def cuCtxGetCurrent(self):
+        return 0, self.current
+
+    def cuDeviceGet(self, index):
+        self.calls.append(("device", index))
+        return 0, 100 + index
+
+    def cuDevicePrimaryCtxRetain(self, device):
+        self.calls.append(("retain", device))
+        return 0, 555
+
+    def cuCtxSetCurrent(self, context):
+        self.calls.append(("set", context))
+        self.current = context
+        return (0,)
+
+
+def test_the_dmabuf_export_makes_the_devices_primary_context_current_where_none_is():
+    bare = _FakeDriver(current=0)  # a thread that never ran CUDA work
+    verbs._make_context_current(bare, 1)
+    assert bare.calls == [("device", 1), ("retain", 101), ("set", 555)] and bare.current == 555
+    busy = _FakeDriver(current=42)
+    verbs._make_context_current(busy, 0)
+    assert busy.calls == []

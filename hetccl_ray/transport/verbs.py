@@ -197,9 +197,9 @@ def gpu_memory_path() -> str:
     return "peermem" if _peer_memory_loaded() else "staged"
 
 
-def _dmabuf_fd(addr: int, length: int) -> tuple[int, int, int, int]:
-    """A dmabuf fd for GPU memory around [addr, addr + length): (fd, aligned start, aligned
-    length, where that start lies in the dmabuf: HSA exports the whole allocation)."""
+def _dmabuf_fd(addr: int, length: int, index: int) -> tuple[int, int, int, int]:
+    """A dmabuf fd for GPU memory of device ``index`` around [addr, addr + length): (fd, aligned
+    start, aligned length, where that start lies in the dmabuf: HSA exports the whole allocation)."""
     start = addr & ~(_PAGE - 1)
     size = ((addr + length - start) + _PAGE - 1) & ~(_PAGE - 1)
     if getattr(torch.version, "hip", None):
@@ -211,11 +211,28 @@ def _dmabuf_fd(addr: int, length: int) -> tuple[int, int, int, int]:
             raise RuntimeError(f"hsa_amd_portable_export_dmabuf failed with status {status}")
         return fd.value, start, size, offset.value
     driver = _cuda_driver()
+    _make_context_current(driver, index)
     err, fd = driver.cuMemGetHandleForAddressRange(
         start, size, driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
     if int(err) != 0:
         raise RuntimeError(f"cuMemGetHandleForAddressRange failed with {err}")
     return int(fd), start, size, 0
+
+
+def _make_context_current(driver: Any, index: int) -> None:
+    """The device's primary context, current on this thread: a thread that never ran CUDA work
+    has none, and ``torch.cuda.device(i)`` does not set one where ``i`` is already torch's
+    current device, so the driver's export would fail there with an invalid context."""
+    err, current = driver.cuCtxGetCurrent()
+    if int(err) == 0 and int(current):
+        return
+    err, device = driver.cuDeviceGet(index)
+    if int(err) == 0:
+        err, context = driver.cuDevicePrimaryCtxRetain(device)
+    if int(err) == 0:
+        (err,) = driver.cuCtxSetCurrent(context)
+    if int(err) != 0:
+        raise RuntimeError(f"no CUDA context for device {index} on this thread: {err}")
 
 
 _HOP_LIMIT = 64
@@ -275,12 +292,15 @@ class PyverbsNic:
             mr = MR(self.pd, length, self._access, address=addr)
             return Region(addr, length, mr.lkey, mr.rkey, mr)
         if path == "dmabuf":
-            fd, start, size, at = _dmabuf_fd(addr, length)
+            fd, start, size, at = _dmabuf_fd(addr, length, device.index or 0)
             try:
                 mr = DmaBufMR(self.pd, size, self._access, dmabuf=fd, offset=at)
             finally:
                 os.close(fd)  # the MR holds its own reference to the dmabuf
-            return Region(start, size, mr.lkey, mr.rkey, mr, iova=0)
+            # pyverbs registers it with iova = offset (rdma-core pyverbs/mr.pyx, v44 as v59:
+            # ibv_reg_dmabuf_mr(pd, offset, length, offset, fd, access)): the NIC knows the byte
+            # at ``start`` by ``at``, which is not 0 where HSA exported the whole allocation
+            return Region(start, size, mr.lkey, mr.rkey, mr, iova=at)
         raise ValueError(f"RDMA {self.name}: memory on {device} cannot be registered (path {path}); "
                          "it is staged through host memory")
 
