@@ -190,6 +190,7 @@ def test_no_group_holding_both_is_a_clear_error(peers):
 def _pair(name: str, islands: Sequence[str]) -> list:
     """A fresh group of its own (the module's group stays whole for the other tests)."""
     actors = [Peer.options(label_selector={ISLAND_LABEL: island}).remote() for island in islands]
+    ray.get([actor.ready.remote() for actor in actors], timeout=120)  # up first: the group's 10 s are its own
     hetccl_ray.create_collective_group(actors, len(actors), list(range(len(actors))), group_name=name,
                                        timeout_s=10, small_bytes=1 << 16, flat="off")
     return actors

@@ -273,6 +273,27 @@ def shared_memory(topology: Topology, check_calls: bool = True, strict: bool = F
                    one_host=one_host)
 
 
+def agreed_costs(planner: Planner) -> dict:
+    """What :func:`calibrate` agreed, as a JSON record (infinities as None): what a group
+    re-formed on the same topology applies instead of racing again (:func:`apply_costs`)."""
+    finite = lambda x: None if x == math.inf else x  # noqa: E731
+    link = lambda c: None if c is None else [c.hop_s, c.bytes_per_s]  # noqa: E731
+    return {"small_bytes": dict(planner.small_bytes), "flat_until": finite(planner.flat_until),
+            "flat_from": {op: finite(size) for op, size in planner.flat_from.items()},
+            "link": link(planner.link), "flat_link": link(planner.flat_link)}
+
+
+def apply_costs(planner: Planner, record: Mapping, flat: bool) -> None:
+    """Set ``planner`` from an :func:`agreed_costs` record (``flat``: a flat library exists)."""
+    infinite = lambda x: math.inf if x is None else x  # noqa: E731
+    link = lambda pair: None if pair is None else costs.LinkCosts(*pair)  # noqa: E731
+    planner.flat = flat
+    planner.small_bytes = dict(record["small_bytes"])
+    planner.flat_from = {op: infinite(size) for op, size in record["flat_from"].items()}
+    planner.flat_until = infinite(record["flat_until"])
+    planner.link, planner.flat_link = link(record["link"]), link(record["flat_link"])
+
+
 def calibrate(planner: Planner, small_bytes: Optional[int], flat_mode: str, flat_broadcast: Optional[Callable],
               barrier: Callable[[], None], broadcast: Callable[[torch.Tensor], None],
               synchronize: Callable[[torch.Tensor], None], allreduce: Callable[[torch.Tensor, str], None],

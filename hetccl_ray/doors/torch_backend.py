@@ -78,9 +78,9 @@ class _Work(dist.Work):
                 self.launched.result()
             return True
         self.launched.result()  # re-raises the op's exception
-        if self.posted:
+        if self.posted or device.host:  # host memory: done means the data is there (and the future set)
             self.future.wait()
-        if self.done is not None:
+        elif self.done is not None:
             device.current_stream().wait(self.done)  # the waiting stream, not the host, waits
             if not device.ordered_host_ops:  # host code after wait() reads it at once
                 self.future.wait()
@@ -96,16 +96,21 @@ class _Work(dist.Work):
 class HetCCLProcessGroup(dist.ProcessGroup):
     """A Python c10d process group running every op through :class:`HetCCLGroup`."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+                 name: str | None = None, reuse_costs: bool = False) -> None:
+        """``name``: what every rank calls the group (its records' keys in ``store``); default
+        ``torch-pgN``, the Nth group this process made, as c10d makes them in step on every rank.
+        ``reuse_costs``: GroupOptions' (a group formed again takes the costs measured before)."""
         if store is None:
             raise ValueError("the hetccl backend needs the c10d store that init_process_group passes; got None")
         super().__init__(rank, size)
         global _count
         with _count_lock:
             _count += 1
-            name = f"torch-pg{_count}"
+            name = name or f"torch-pg{_count}"
         self.group = HetCCLGroup(size, rank, name, store=store,
-                                 options=GroupOptions(timeout_s=max(timeout.total_seconds(), 1.0)))
+                                 options=GroupOptions(timeout_s=max(timeout.total_seconds(), 1.0),
+                                                      reuse_costs=reuse_costs))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-c10d-{rank}")
         self._completer = ThreadPoolExecutor(1, thread_name_prefix=f"hetccl-c10d-done-{rank}")
         self._streams: dict[devices.Device, devices.StreamLike | None] = {}

@@ -49,6 +49,7 @@ from hetccl_ray.transport.base import mismatch
 from hetccl_ray.transport.choice import Choice
 
 logger = logging.getLogger(__name__)
+_COSTS: dict[str, dict] = {}  # costs agreed at formations rank 0 of this process took part in, by _costs_key
 _DONE: Callable[[], None] = lambda: None  # noqa: E731 - the wait of an op that has completed
 
 BACKEND = "HETCCL"
@@ -137,12 +138,19 @@ class HetCCLGroup(BaseGroup):
         self.planner = planner.Planner(self.topology, one_hop=self.options.one_hop,
                                        check_calls=self.options.check_calls, strict=self.options.strict,
                                        rank=self.rank, routed=self._routed)
-        planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
-                          (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
-                          self.barrier, self.broadcast,
-                          lambda t: devices.synchronize(t, self.options.timeout_s),
-                          lambda t, op: self.run(self.ops.allreduce(t, Reduce(op))),
-                          self._probe_calls)
+        key = self._costs_key()
+        known = self._known_costs(key)
+        if known is not None:  # re-formed on a topology rank 0 measured before: no races
+            planner.apply_costs(self.planner, known, self._flat is not None)
+        else:
+            planner.calibrate(self.planner, self.options.small_bytes, self.options.flat,
+                              (lambda t: self._flat.broadcast(t, 0)) if self._flat is not None else None,
+                              self.barrier, self.broadcast,
+                              lambda t: devices.synchronize(t, self.options.timeout_s),
+                              lambda t, op: self.run(self.ops.allreduce(t, Reduce(op))),
+                              self._probe_calls)
+            if self.rank == 0:
+                _COSTS[key] = planner.agreed_costs(self.planner)
         # the probes are not the user's ops: numbering and counters start after them (every
         # message of theirs was received in order before a rank's next op can arrive)
         self._seq = self._progress.seq = 0
@@ -151,6 +159,24 @@ class HetCCLGroup(BaseGroup):
         self._probe_messages = self.border.messages_sent
         self._probe_bytes = (self.border.bytes_sent, self.border.bytes_received, self.border.wire_bytes_sent,
                              self.border.wire_bytes_received)
+
+    def _costs_key(self) -> str:
+        """What measured costs hold for: the islands in rank order, their links (which peers
+        RDMA reaches), one host or not, and the options that shape calibration."""
+        options = self.options
+        return repr((self.topology.describe(), sorted(self._routed), self._one_host is not None, options.flat,
+                     options.small_bytes, options.one_hop, options.compress))
+
+    def _known_costs(self, key: str) -> Optional[dict]:
+        """Rank 0's costs for ``key`` from an earlier formation in its process (torchft re-forms
+        the group at every quorum change), through the rendezvous so every rank takes the same
+        choice; None where rank 0 has none (it calibrates, and remembers)."""
+        if not self.options.reuse_costs:
+            return None
+        if self.rank == 0:
+            self._rendezvous.put("costs", {"key": key, "costs": _COSTS.get(key)})
+        record = self._rendezvous.wait(["costs"], time.monotonic() + self.options.timeout_s)["costs"]
+        return record["costs"] if record["key"] == key else None
 
     def _probe_calls(self, nbytes: int) -> dict[str, Callable[[], None]]:
         """One call of each op the flat plan may take, on ``nbytes`` (nccl-tests' size) of host
@@ -629,6 +655,13 @@ class HetCCLGroup(BaseGroup):
 
     def recv(self, tensor: Any, recv_options: Any) -> None:
         self._p2p(self.ops.p2p("recv", tensor, recv_options.src_rank))()
+
+    def abort(self, why: str) -> None:
+        """Fail the op in flight and every later one now, without the lock an op in flight
+        holds (torchft replaces the group at a quorum change): the border closes, so peers
+        blocked on this rank fail too. :meth:`destroy_group` still frees the rest."""
+        self._broken = self._broken or HetCCLBrokenError(f"group '{self.group_name}' on rank {self.rank}: {why}")
+        self.border.close()
 
     def destroy_group(self) -> None:
         """Close the border, the island communicators and the progress thread; free the scratch

@@ -56,6 +56,9 @@ class GroupOptions:
     same_host: the TCP border reaches ranks of the same host and network namespace over
         Unix sockets, as NCCL's SHM transport within a node (``HETCCL_SAME_HOST=0``: TCP
         to every rank).
+    reuse_costs: a group formed again on a topology whose costs rank 0's process measured at
+        an earlier formation (same islands, links and options) takes them instead of racing
+        again (torchft re-forms the group at every quorum change; ``HETCCL_REUSE_COSTS=1``).
     """
 
     timeout_s: float = field(default_factory=lambda: _env_float("HETCCL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
@@ -73,6 +76,7 @@ class GroupOptions:
     flat: str = field(default_factory=lambda: os.environ.get("HETCCL_FLAT") or "auto")
     one_hop: bool = field(default_factory=lambda: os.environ.get("HETCCL_ONE_HOP", "0") not in ("", "0"))
     same_host: bool = field(default_factory=lambda: os.environ.get("HETCCL_SAME_HOST", "1") != "0")
+    reuse_costs: bool = field(default_factory=lambda: os.environ.get("HETCCL_REUSE_COSTS", "0") not in ("", "0"))
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
