@@ -1,15 +1,13 @@
 """What each rank process of the torchft tests runs (tests/test_ft.py): a small linear model
-trained by SGD under ``torchft.Manager`` with hetccl's process group across islands. One
-replica per rank, or an island as one replica group (DDP inside it over the island's own
-Gloo, torchft's allreduce across islands over hetccl). Batches are a function of (replica,
-rank in it, step), so a one-process replay of the log of (step, participating replicas)
-gives the exact weights."""
+trained by SGD as an ``ElasticRank`` (torchft's Manager, hetccl's process group across
+islands). One replica per rank, or an island as one replica group (DDP inside it over the
+island's own Gloo). Batches are a function of (replica, rank in it, step), so a one-process
+replay of the log of (step, participating replicas) gives the exact weights."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Any
 
 import torch
@@ -29,11 +27,9 @@ def initial_model() -> torch.nn.Linear:
     return torch.nn.Linear(*SHAPE)
 
 
-def gradients(model: torch.nn.Linear, replica: str, rank: int, step: int) -> list[torch.Tensor]:
+def loss(model: torch.nn.Linear, replica: str, rank: int, step: int) -> torch.Tensor:
     x, y = batch(replica, rank, step)
-    model.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad for p in model.parameters()]
+    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def replay(log: dict[int, list[str]], steps: int, group_world: int = 1) -> list[torch.Tensor]:
@@ -41,70 +37,60 @@ def replay(log: dict[int, list[str]], steps: int, group_world: int = 1) -> list[
     replica groups' ranks (groups of ``group_world`` ranks)."""
     model = initial_model()
     for step in range(steps):
-        grads = [[g.clone() for g in gradients(model, replica, rank, step)]
-                 for replica in sorted(set(log[step])) for rank in range(group_world)]
+        grads = []
+        for replica in sorted(set(log[step])):
+            for rank in range(group_world):
+                model.zero_grad()
+                loss(model, replica, rank, step).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
                 p -= LR * sum(g[i] for g in grads) / len(grads)
     return [p.detach().clone() for p in model.parameters()]
 
 
-def rank_main(replica: str, island: str, lighthouse: str, steps: int, events: Any, pause_s: float = 0.0,
+def rank_main(replica: str, island: str, lighthouse: str, steps: Any, events: Any, pause_s: float = 0.0,
               kill_at: int = -1, group_rank: int = 0, group_world: int = 1, store_port: int = 0,
               start: Any = None) -> None:
     """One rank of replica group ``replica`` (``group_world`` ranks, its store on
     ``store_port`` hosted by group rank 0; 0: a fresh port, one rank) on ``island``: trains
-    until torchft's committed step ``steps``, reporting each committed step with its
-    participants and time, then its final weights. ``kill_at``: SIGKILL itself at its first
-    step at or after that one, with the cross-replica allreduce posted (said first).
-    ``start``: a barrier every first rank passes before its first quorum (else the first to
-    import would train alone, as torchft allows with one replica required)."""
+    until torchft's committed step ``steps.value`` (a shared value the test sets once every
+    death is healed: a survivor that finished alone would leave a returning rank nobody to heal
+    from), reporting each committed step with its participants, then its final weights. ``kill_at``: SIGKILL itself at its first step at or
+    after that one, with the cross-replica allreduce posted (said first). ``start``: a barrier
+    every first rank passes before its first quorum (else the first to import would train
+    alone, as torchft allows with one replica required)."""
     os.environ["HETCCL_ISLAND"] = island
+    import time
+
     import torch.distributed as dist
-    from torchft import Manager
 
-    from hetccl_ray.doors.ft import ProcessGroupHetCCL
+    from hetccl_ray.doors.ft import ElasticRank
 
-    timeout = datetime.timedelta(seconds=30)
-    store = dist.TCPStore("127.0.0.1", store_port, group_world, group_rank == 0, timeout=timeout)
-    inner = None
-    if group_world > 1:  # DDP inside the island over its own library; torchft across islands
-        inner = dist.ProcessGroupGloo(dist.PrefixStore("island", store), group_rank, group_world, timeout)
     model = initial_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    manager = Manager(pg=ProcessGroupHetCCL(datetime.timedelta(seconds=10)),
-                      load_state_dict=lambda state: model.load_state_dict(state["model"]),
-                      state_dict=lambda: {"model": model.state_dict()}, min_replica_size=1, use_async_quorum=False,
-                      replica_id=replica, lighthouse_addr=lighthouse, store_addr="127.0.0.1", store_port=store.port,
-                      rank=group_rank, world_size=group_world, timeout=datetime.timedelta(seconds=10),
-                      quorum_timeout=timeout, connect_timeout=datetime.timedelta(seconds=10))
+    rank = ElasticRank(model, torch.optim.SGD(model.parameters(), lr=LR), replica, lighthouse, group_rank=group_rank,
+                       group_world=group_world, store_port=store_port)
+    if group_world > 1:  # DDP inside the island over its own library; torchft across islands
+        rank.inner = dist.ProcessGroupGloo(dist.PrefixStore("island", rank.store), group_rank, group_world,
+                                           datetime.timedelta(seconds=30))
+
+    def die(step: int) -> None:
+        if 0 <= kill_at <= step:  # the first step at or after it (a late joiner heals past some)
+            events.put(("dying", replica, step))
+            events.close()
+            events.join_thread()  # said before the process is gone
+            os.kill(os.getpid(), 9)
+
     if start is not None:
         start.wait(60)
     try:
-        while manager.current_step() < steps:
-            started = time.monotonic()
-            manager.start_quorum()
-            step = manager.current_step()
-            grads = gradients(model, replica, group_rank, step)
-            if inner is not None:
-                for g in grads:
-                    inner.allreduce([g]).wait()
-                    g /= group_world
-            works = [manager.allreduce(g) for g in grads]
-            if 0 <= kill_at <= step:  # the first step at or after it (a late joiner heals past some)
-                events.put(("dying", replica, step))
-                events.close()
-                events.join_thread()  # said before the process is gone
-                os.kill(os.getpid(), 9)
-            for work in works:
-                work.wait()
-            if manager.should_commit():
-                optimizer.step()
-                events.put(("step", replica, step, manager.num_participants(), time.monotonic() - started))
-            if pause_s:
-                time.sleep(pause_s)
+        while rank.current_step < steps.value:
+            record = rank.step(lambda step: loss(model, replica, group_rank, step), die)
+            if record is not None:
+                events.put(("step", replica, record.step, record.participants, record.seconds))
+            time.sleep(pause_s)
         events.put(("done", f"{replica}/{group_rank}", [p.detach().clone().numpy() for p in model.parameters()]))
     except BaseException as exc:  # noqa: BLE001 - the test reads it
         events.put(("error", f"{replica}/{group_rank}", repr(exc)))
     finally:
-        manager.shutdown(wait=False)
+        rank.close()

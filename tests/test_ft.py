@@ -36,9 +36,10 @@ class _Run:
 
     def __init__(self, steps: int, group_world: int = 1, kills: dict[str, list[int]] | None = None) -> None:
         self.steps, self.group_world, self.kills = steps, group_world, kills or {}
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200)
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000)
         self.ctx = multiprocessing.get_context("spawn")
         self.events = self.ctx.Queue()
+        self.target = self.ctx.Value("i", 1 << 30)  # the step every rank ends at, once set
         self.incarnation = dict.fromkeys(ISLANDS, 0)
         self.start = self.ctx.Barrier(len(ISLANDS) * group_world)  # the first incarnations start together
         self.procs: dict[str, list] = {replica: self._start(replica) for replica in ISLANDS}
@@ -49,7 +50,7 @@ class _Run:
         kill_at = kills[n] if n < len(kills) else -1
         port = _free_port() if self.group_world > 1 else 0
         procs = [self.ctx.Process(target=w.rank_main, args=(replica, ISLANDS[replica], self.lighthouse.address(),
-                                                            self.steps, self.events, 0.05, kill_at, rank,
+                                                            self.target, self.events, 0.05, kill_at, rank,
                                                             self.group_world, port, self.start if n == 0 else None))
                  for rank in range(self.group_world)]
         for proc in procs:
@@ -60,7 +61,7 @@ class _Run:
         """Read events until every rank reported its weights, restarting a replica group whose
         ranks all died; the log {step: replicas}, the final weights by rank, and the (replica,
         step) each death came in."""
-        log: dict[int, list[str]] = {}
+        log: dict[int, dict] = {}
         finals: dict[str, list] = {}
         deaths: list[tuple[str, int]] = []
         end = time.monotonic() + DEADLINE_S
@@ -68,14 +69,14 @@ class _Run:
             while len(finals) < len(ISLANDS) * self.group_world:
                 if time.monotonic() > end:
                     raise AssertionError(f"ranks did not finish in {DEADLINE_S}s: finished {sorted(finals)}; log {log}")
+                for replica, procs in self.procs.items():  # a replica group all dead: Ray would restart it
+                    if not any(proc.is_alive() for proc in procs) and not any(
+                            name.startswith(f"{replica}/") for name in finals):
+                        self.incarnation[replica] += 1
+                        self.procs[replica] = self._start(replica)
                 try:
                     kind, who, *rest = self.events.get(timeout=0.5)
                 except queues.Empty:
-                    for replica, procs in self.procs.items():
-                        if not any(proc.is_alive() for proc in procs) and not any(
-                                name.startswith(f"{replica}/") for name in finals):
-                            self.incarnation[replica] += 1
-                            self.procs[replica] = self._start(replica)
                     continue
                 if kind == "error":
                     raise AssertionError(f"rank {who} failed: {rest[0]}")
@@ -85,9 +86,15 @@ class _Run:
                     continue
                 if kind == "step":
                     step, participants, _ = rest
-                    if who not in log.setdefault(step, []):
-                        log[step].append(who)
-                    assert len(log[step]) <= participants, (step, log[step], participants)  # no split brain
+                    reported = log.setdefault(step, {"by": set(), "participants": participants})
+                    reported["by"].add(who)
+                    # one count per step, and never more reporters than it: no split brain
+                    assert reported["participants"] == participants >= len(reported["by"]), (step, reported)
+                    healed = all(any(r["participants"] == len(ISLANDS) for s, r in log.items() if s > died)
+                                 for _, died in deaths)
+                    kills_done = len(deaths) == sum(map(len, self.kills.values()))
+                    if self.target.value == 1 << 30 and step >= self.steps and kills_done and healed:
+                        self.target.value = step + 2  # every rank ends there, together
                 else:
                     finals[who] = rest[0]
         finally:
@@ -96,11 +103,15 @@ class _Run:
                     proc.kill()
                     proc.join(10)
             self.lighthouse.shutdown()
-        return log, finals, deaths
+        # who took part: every replica where the step's allreduce had them all (a rank killed
+        # after its contribution left is in a step it never reported), else its one reporter
+        return ({step: sorted(ISLANDS) if r["participants"] == len(ISLANDS) else sorted(r["by"])
+                 for step, r in log.items()}, finals, deaths)
 
     def check(self, log: dict[int, list[str]], finals: dict[str, list]) -> None:
-        assert sorted(log) == list(range(self.steps))  # every step committed, none twice (a dict key each)
-        expected = w.replay(log, self.steps, self.group_world)
+        steps = self.target.value
+        assert steps >= self.steps and sorted(log) == list(range(steps))  # every step committed once
+        expected = w.replay(log, steps, self.group_world)
         for rank, weights in finals.items():
             for got, want in zip(weights, expected):
                 np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6, err_msg=rank)
@@ -112,7 +123,7 @@ def test_a_rank_killed_mid_allreduce_comes_back_twice_and_every_step_is_replayed
     run = _Run(steps=18, kills={"b": [4, 9]})
     log, finals, deaths = run.run()
     assert [who for who, _ in deaths] == ["b", "b"]
-    assert any(set(log[s]) == {"a", "b"} for s in range(deaths[-1][1], 18))  # b, back, took part again
+    assert any(set(log[s]) == {"a", "b"} for s in range(deaths[-1][1], len(log)))  # b, back, took part again
     run.check(log, finals)
 
 
@@ -124,7 +135,7 @@ def test_a_whole_island_killed_and_its_replica_groups_rank_0_with_it_comes_back(
     run = _Run(steps=14, group_world=2, kills={"b": [5]})
     log, finals, deaths = run.run()
     assert {who for who, _ in deaths} == {"b"}
-    assert any(set(log[s]) == {"a", "b"} for s in range(max(step for _, step in deaths), 14))
+    assert any(set(log[s]) == {"a", "b"} for s in range(max(step for _, step in deaths), len(log)))
     run.check(log, finals)
 
 
