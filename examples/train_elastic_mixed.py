@@ -43,7 +43,7 @@ class Lighthouse:
         from torchft.coordination import LighthouseServer
 
         # a replica whose heartbeats stop for 1.5 s is out of the next quorum (torchft: 5 s)
-        self.server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=300,
+        self.server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000,
                                        heartbeat_timeout_ms=1500)
 
     def address(self) -> str:
@@ -90,7 +90,7 @@ class Rank:
         return [p.detach().clone() for p in self.model.parameters()]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--pause", type=float, default=0.1, help="seconds of other work per step")
@@ -99,14 +99,15 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=0, help="instead: this many kills of random ranks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="write one row per step here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     kill_steps = (sorted(rng.sample(range(5, args.steps - 10), args.kills)) if args.kills else [args.kill_at])
     with LocalCluster(ISLANDS, cpus_per_node=args.ranks):
-        run(args, kill_steps, rng)
+        return run(args, kill_steps, rng)
 
 
-def run(args: argparse.Namespace, kill_steps: list[int], rng: random.Random) -> None:
+def run(args: argparse.Namespace, kill_steps: list[int], rng: random.Random) -> dict:
+    """The run; returns its rows and floors (what the tests read)."""
     quorum = Lighthouse.remote(1)  # held: the actor lives while its handle does
     lighthouse = ray.get(quorum.address.remote())
     names = [f"{island}{i}" for island in ISLANDS for i in range(args.ranks)]
@@ -159,11 +160,11 @@ def run(args: argparse.Namespace, kill_steps: list[int], rng: random.Random) -> 
         if kill_steps and under_way >= kill_steps[0]:
             kill_steps.pop(0)
             doomed = [n for n in names if n.startswith("b")] if not args.kills else [rng.choice(names)]
+            doomed = [name for name in doomed if name not in killed]  # one still down is not killed again
             for name in doomed:
-                if name not in killed:
-                    os.kill(pids[name], signal.SIGKILL)
-                    killed[name] = time.monotonic()
-            events.setdefault(under_way, []).append(f"{', '.join(doomed)} killed")
+                os.kill(pids[name], signal.SIGKILL)
+                killed[name] = time.monotonic()
+            events.setdefault(under_way, []).append(f"{', '.join(doomed) or 'nobody (already down)'} killed")
             kill_time = (under_way, time.monotonic())
         while printed in steps and (printed + 1 in steps or printed == args.steps - 1):
             cell = steps[printed]
@@ -197,6 +198,8 @@ def run(args: argparse.Namespace, kill_steps: list[int], rng: random.Random) -> 
 
         pd.DataFrame(rows).to_csv(args.csv, index=False)
         print(f"# wrote {args.csv}")
+    return {"rows": rows, "every_step": sorted(steps) == list(range(args.steps)), "bit_equal": same,
+            "recovery_s": recovery, "heal_steps": island_healed - island_up if back else None}
 
 
 if __name__ == "__main__":
