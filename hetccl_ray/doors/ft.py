@@ -102,11 +102,15 @@ class ElasticRank:
     when it comes back. ``step(loss_of)`` runs one attempt of torchft's step: quorum, the
     loss of step ``n`` (``loss_of(n)``) backward, gradients averaged inside the replica group
     (``inner``) and across replica groups (hetccl), and the optimizer step where torchft
-    commits it; None where the step did not commit (a member was lost: it is tried again)."""
+    commits it; None where the step did not commit (a member was lost: it is tried again).
+    ``async_quorum``: torchft's quorum overlaps the step's compute (a returning replica then
+    heals but adds no gradient in that step); off, a returning replica heals and takes part in
+    the same step, as the replay tests assume."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, replica_id: str, lighthouse: str,
                  *, group_rank: int = 0, group_world: int = 1, store_port: int = 0,
-                 inner: Optional[dist.ProcessGroup] = None, min_replicas: int = 1, timeout_s: float = 10.0) -> None:
+                 inner: Optional[dist.ProcessGroup] = None, min_replicas: int = 1, timeout_s: float = 10.0,
+                 async_quorum: bool = False) -> None:
         from torchft import Manager
 
         self.model, self.optimizer, self.inner, self.group_world = model, optimizer, inner, group_world
@@ -116,7 +120,7 @@ class ElasticRank:
                                    timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
         self._healed = False
         self.manager = Manager(pg=ProcessGroupHetCCL(timeout), load_state_dict=self._load, state_dict=self._state,
-                               min_replica_size=min_replicas, use_async_quorum=False, replica_id=replica_id,
+                               min_replica_size=min_replicas, use_async_quorum=async_quorum, replica_id=replica_id,
                                lighthouse_addr=lighthouse, store_addr="127.0.0.1", store_port=self.store.port,
                                rank=group_rank, world_size=group_world, timeout=timeout,
                                quorum_timeout=datetime.timedelta(seconds=max(timeout_s, 30)), connect_timeout=timeout)
