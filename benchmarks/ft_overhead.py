@@ -59,9 +59,14 @@ def rank_main(rank: int, port: int, lighthouse: str, steps: int, width: int, bat
             if kind == "plain":
                 plain_opt.zero_grad()
                 loss(plain).backward()
-                for p in plain.parameters():
-                    dist.all_reduce(p.grad)
-                    p.grad /= len(ISLANDS)
+                grads = [p.grad for p in plain.parameters()]
+                flat = torch.cat([grad.reshape(-1) for grad in grads])  # one bucket, as ElasticRank's
+                dist.all_reduce(flat)
+                flat /= len(ISLANDS)
+                offset = 0
+                for grad in grads:
+                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
                 plain_opt.step()
             else:
                 while elastic.step(lambda n: loss(elastic_model)) is None:

@@ -149,16 +149,19 @@ class ElasticRank:
         loss = loss_of(step)
         loss.backward()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])  # one bucket: one op, one torchft future
         if self.inner is not None:
-            for grad in grads:
-                self.inner.allreduce([grad]).wait()
-                grad /= self.group_world
-        works = [self.manager.allreduce(grad) for grad in grads]
+            self.inner.allreduce([flat]).wait()
+            flat /= self.group_world
+        work = self.manager.allreduce(flat)
         before_commit(step)
-        for work in works:
-            work.wait()
+        work.wait()
         if not self.manager.should_commit():
             return None
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
         self.optimizer.step()
         return StepRecord(step, self.manager.num_participants(), time.monotonic() - started, float(loss),
                           self._healed)
