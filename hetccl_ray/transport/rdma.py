@@ -171,12 +171,13 @@ class MRCache:
         self.capacity_bytes = capacity_bytes
         self._entries: "OrderedDict[tuple[str, int], tuple[Region, Any]]" = OrderedDict()
         self._held: collections.Counter = collections.Counter()  # entry key -> transfers using it now
+        self._bytes = 0  # registered, kept as entries come and go: every release checks it
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     @property
     def registered_bytes(self) -> int:
-        return sum(region.length for region, _ in self._entries.values())
+        return self._bytes
 
     def region(self, tensor: torch.Tensor) -> Region:
         """The region that covers ``tensor``'s bytes, registering its storage if none does."""
@@ -195,9 +196,13 @@ class MRCache:
                 self.hits += 1
             else:
                 if entry is not None and not self._held[key]:  # the storage grew (resize_): register it anew
-                    self._deregister(self._entries.pop(key)[0])
+                    self._drop(key)
+                elif entry is not None:  # grew while held: the old region stays registered, out of the count
+                    self._bytes -= entry[0].length
                 self.misses += 1
-                self._entries[key] = (self._register(base, size, tensor.device), storage)
+                region = self._register(base, size, tensor.device)
+                self._entries[key] = (region, storage)
+                self._bytes += region.length
                 self._evict(keep=key)
             self._held[key] += count
             return self._entries[key][0]
@@ -212,17 +217,25 @@ class MRCache:
             self._evict()
 
     def _evict(self, keep: Optional[tuple[str, int]] = None) -> None:
+        if self._bytes <= self.capacity_bytes:  # every release asks: no walk while under the bound
+            return
         for key in list(self._entries):
             if self.registered_bytes <= self.capacity_bytes:
                 return
             if key != keep and not self._held[key]:
-                self._deregister(self._entries.pop(key)[0])
+                self._drop(key)
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        region = self._entries.pop(key)[0]
+        self._bytes -= region.length
+        self._deregister(region)
 
     def clear(self) -> None:
         with self._lock:
             for region, _ in self._entries.values():
                 self._deregister(region)
             self._entries.clear()
+            self._bytes = 0
 
 
 class CompletionRouter:
